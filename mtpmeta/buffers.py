@@ -1,0 +1,60 @@
+"""The persistent buffers SPEC §1 names, born in ``allocate``.
+
+Host truth, device snapshot: the host arrays (the annotations, the host copy of the
+draft offsets) are the source of truth for bookkeeping and validation; the device
+buffers are fixed-address snapshots that GPU code (and captured CUDA graphs) read. On
+the direct path the device is the CPU and the two are the same memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+__all__ = ["PersistentBuffers", "host_tensor"]
+
+
+def host_tensor(shape, dtype: torch.dtype, *, fill: int = 0) -> torch.Tensor:
+    """A host tensor, pinned when CUDA is present (pinning needs a CUDA runtime)."""
+    pinned = torch.cuda.is_available()
+    tensor = torch.empty(shape, dtype=dtype, pin_memory=pinned)
+    tensor.fill_(fill)
+    return tensor
+
+
+@dataclass
+class PersistentBuffers:
+    """Every buffer SPEC §1 lists, with the numpy views the host kernels use."""
+
+    request_matched_prefix_blocks: torch.Tensor  # [R] int32, host (pinned with CUDA)
+    offsets: torch.Tensor  # [R] int32, device: draft write position per request
+    block_table: torch.Tensor  # [R, W] block_table_dtype, device: draft-loop table
+    query_lengths: torch.Tensor  # [R] int32, device: MHA query lengths staging
+    kv_lengths: torch.Tensor  # [R] int32, device: MHA KV lengths staging
+    row_ids: torch.Tensor  # [R] int64, device: constant 0..R-1
+    chunk_boundary_hidden: torch.Tensor  # [1, 1, H] hidden_dtype, device: the carry
+    annotations: np.ndarray  # numpy view of request_matched_prefix_blocks
+    carry_state: np.ndarray  # [3] int64: [valid, req_id, position]
+    row_scratch: np.ndarray  # [2R] int32: move/swap snapshot space
+
+    @classmethod
+    def allocate(cls, *, max_requests: int, max_kv_block_count: int, dummy_block_idx: int,
+                 block_table_dtype: torch.dtype, hidden_size: int,
+                 hidden_dtype: torch.dtype, device: torch.device) -> "PersistentBuffers":
+        annotations = host_tensor((max_requests,), torch.int32)
+        return cls(
+            request_matched_prefix_blocks=annotations,
+            offsets=torch.zeros(max_requests, dtype=torch.int32, device=device),
+            block_table=torch.full((max_requests, max_kv_block_count), dummy_block_idx,
+                                   dtype=block_table_dtype, device=device),
+            query_lengths=torch.zeros(max_requests, dtype=torch.int32, device=device),
+            kv_lengths=torch.zeros(max_requests, dtype=torch.int32, device=device),
+            row_ids=torch.arange(max_requests, dtype=torch.int64, device=device),
+            chunk_boundary_hidden=torch.zeros((1, 1, hidden_size), dtype=hidden_dtype,
+                                              device=device),
+            annotations=annotations.numpy(),
+            carry_state=np.array([0, -1, -1], dtype=np.int64),
+            row_scratch=np.zeros(2 * max_requests, dtype=np.int32),
+        )

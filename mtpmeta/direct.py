@@ -1,0 +1,94 @@
+"""Direct path: the device is the CPU, so the numba kernels write straight into the
+numpy views of the persistent buffers and of the destination view. No torch op runs.
+
+Every method here receives inputs the wrapper (``MTPMetadata``) already validated and
+converted to C-contiguous int32/int64 numpy arrays.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import numpy as np
+from . import native
+from .buffers import PersistentBuffers
+from .gpu_view import ViewTarget
+
+__all__ = ["DirectBackend"]
+
+_NO_INDEX = np.zeros(1, dtype=np.int64)  # stands in for an absent optional array
+
+
+class DirectBackend:
+    """Host kernels over CPU buffers. ``host_offsets`` IS the offsets buffer here."""
+
+    mirror = False
+
+    def __init__(self, buffers: PersistentBuffers, *, max_requests: int, block_size: int,
+                 dummy: int) -> None:
+        self.buffers = buffers
+        self.max_requests = max_requests
+        self.block_size = block_size
+        self.dummy = dummy
+        self.host_offsets = buffers.offsets.numpy()  # [R] int32
+        self.host_offsets_known = True
+        self._block_table = buffers.block_table.numpy()  # [R, W]
+        self._query_lengths = buffers.query_lengths.numpy()  # [R] int32
+        self._kv_lengths = buffers.kv_lengths.numpy()  # [R] int32
+
+    # ------------------------------------------------------------------ draft loop
+    def begin_decode(self, count: int, start_positions: np.ndarray,
+                     table_src: np.ndarray) -> None:
+        native.staging.copy_decode_inputs(start_positions, table_src, count,
+                                          self.host_offsets, self._block_table)
+
+    def begin_decode_for_capture(self, count: int) -> None:
+        native.staging.fill_capture_state(self.host_offsets, self._block_table, count,
+                                          self.dummy)
+
+    def advance_decode_step(self, count: int) -> None:
+        native.staging.advance_offsets(self.host_offsets, count)
+
+    def stage_decode_lengths(self, count: int) -> None:
+        native.staging.stage_decode_lengths(self.host_offsets, count, self._query_lengths,
+                                            self._kv_lengths)
+
+    def decode_step(self, target: ViewTarget, count: int, padded: int) -> int:
+        return native.staging.decode_step(self.host_offsets, self._block_table, count,
+                                          padded, self.block_size, self.dummy,
+                                          self._query_lengths, self._kv_lengths,
+                                          *target.arrays)
+
+    # ---------------------------------------------------------------- commit pass
+    def stage_prefill_lengths(self, counts: np.ndarray, pad_tokens: int) -> int:
+        return native.staging.stage_prefill_lengths(counts, pad_tokens, self.max_requests,
+                                                    self._query_lengths)
+
+    def commit_pass(self, target: ViewTarget, counts: np.ndarray,
+                    starts: Optional[np.ndarray], table: np.ndarray,
+                    inherited: Optional[np.ndarray], padded_tokens: int, pad_tokens: int,
+                    min_padded_requests: int) -> Tuple[int, int, int]:
+        _, staged, padded_requests, max_len = native.staging.commit_pass(
+            counts, _NO_INDEX if starts is None else starts, starts is not None, table,
+            _NO_INDEX if inherited is None else inherited, inherited is not None,
+            padded_tokens, pad_tokens, self.max_requests, min_padded_requests,
+            self.block_size, self.dummy, self._query_lengths, *target.arrays)
+        return staged, padded_requests, max_len
+
+    # -------------------------------------------------------------------- writers
+    def write_token_maps(self, target: ViewTarget, rows: np.ndarray,
+                         positions: np.ndarray, table: np.ndarray,
+                         inherited: Optional[np.ndarray], padded: int) -> None:
+        native.staging.write_token_maps(
+            rows, positions, table, _NO_INDEX if inherited is None else inherited,
+            inherited is not None, padded, self.block_size, self.dummy, *target.arrays[:5])
+
+    def write_mha_metadata(self, target: ViewTarget, query_lengths: np.ndarray,
+                           kv_lengths: np.ndarray, count: int, table: np.ndarray,
+                           padded: int) -> None:
+        native.staging.write_mha_metadata(query_lengths, kv_lengths, count, table,
+                                          table.shape[0], padded, self.dummy,
+                                          *target.arrays[5:])
+
+    def check_token_capacity(self, padded: int) -> None:
+        """The direct path stages nothing: only the view's capacity bounds a forward."""

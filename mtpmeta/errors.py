@@ -1,0 +1,38 @@
+"""Exception types. Each one subclasses the builtin a drop-in caller already catches."""
+
+from __future__ import annotations
+
+__all__ = [
+    "ChunkCarryError",
+    "MTPDisabledError",
+    "NotAllocatedError",
+    "InvalidDtypeError",
+    "ForwardModeError",
+]
+
+
+class ChunkCarryError(AssertionError):
+    """A chunk-boundary carry check failed (no live carry, wrong request, wrong seam).
+
+    Subclasses ``AssertionError`` because upstream raised one; it is raised explicitly,
+    so it still fires under ``python -O``.
+    """
+
+
+class MTPDisabledError(AssertionError):
+    """A draft-loop or writer method was called on an object built with ``enabled=False``.
+
+    Subclasses ``AssertionError`` because upstream's ``assert self.enabled`` raised one.
+    """
+
+
+class NotAllocatedError(ValueError, RuntimeError):
+    """An enabled object was used before ``allocate`` (or after ``deallocate``)."""
+
+
+class InvalidDtypeError(ValueError, TypeError):
+    """An input's dtype cannot be cast safely to the buffer it feeds."""
+
+
+class ForwardModeError(ValueError, RuntimeError):
+    """A step entry point was called in the wrong forward mode (e.g. no ``begin_decode``)."""

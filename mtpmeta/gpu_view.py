@@ -1,0 +1,204 @@
+"""The destination view: ten per-forward fields that the MTP writers fill.
+
+``ContextGPUView`` mirrors upstream's view class for the fields MTP writes. Its layout is
+declared once, as data (``VIEW_FIELDS``), and built as ONE contiguous ``uint8``
+allocation with a typed view per field, so a snapshot or a coalesced copy of the whole
+view is a single op. The writers in ``MTPMetadata`` accept any object with these ten
+attributes (upstream's own view included); ``resolve_view`` checks one once and caches
+what the writers need.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
+
+import numpy as np
+import torch
+
+from .errors import InvalidDtypeError
+
+__all__ = ["ContextGPUView", "ViewField", "VIEW_FIELDS", "TOKEN_FIELDS", "MHA_FIELDS"]
+
+
+@dataclass(frozen=True)
+class ViewField:
+    """One field of the destination view: name, dtype, symbolic shape, meaning.
+
+    Shape dims are ``"tokens"`` (max_tokens), ``"requests"`` (max_requests),
+    ``"requests+1"`` (cumulative arrays) and ``"blocks"`` (max_kv_blocks).
+    """
+
+    name: str
+    dtype: torch.dtype
+    dims: Tuple[str, ...]
+    meaning: str
+
+    def shape(self, max_requests: int, max_tokens: int, max_kv_blocks: int) -> Tuple[int, ...]:
+        sizes = {
+            "tokens": max_tokens,
+            "requests": max_requests,
+            "requests+1": max_requests + 1,
+            "blocks": max_kv_blocks,
+        }
+        return tuple(sizes[d] for d in self.dims)
+
+
+# Order is layout order: the int64 field first (8-byte alignment), then the int32 token
+# fields in upstream's order, then the request fields with the two lengths adjacent and
+# the two cumulative arrays adjacent (so each pair is one strided group for a copy).
+VIEW_FIELDS: Tuple[ViewField, ...] = (
+    ViewField("token_to_pos_ids", torch.int64, ("tokens",), "RoPE position id per token"),
+    ViewField("token_to_block_idx", torch.int32, ("tokens",), "KV block each token writes"),
+    ViewField("token_to_local_position_within_kv_block", torch.int32, ("tokens",),
+              "slot within that block"),
+    ViewField("token_to_request_idx", torch.int32, ("tokens",), "owning request row"),
+    ViewField("token_to_position_in_request", torch.int32, ("tokens",),
+              "write position within the request"),
+    ViewField("mha_query_lengths", torch.int32, ("requests",), "query rows per request"),
+    ViewField("mha_kv_seq_lengths", torch.int32, ("requests",), "KV entries per request"),
+    ViewField("mha_cu_query_seq_lengths", torch.int32, ("requests+1",),
+              "cumulative query lengths, [0] = 0"),
+    ViewField("mha_cu_kv_seq_lengths", torch.int32, ("requests+1",),
+              "cumulative KV lengths, [0] = 0"),
+    ViewField("mha_block_table", torch.int32, ("requests", "blocks"),
+              "block ids each request reads; -1 rows are padding"),
+)
+TOKEN_FIELDS: Tuple[str, ...] = tuple(f.name for f in VIEW_FIELDS if f.dims == ("tokens",))
+MHA_FIELDS: Tuple[str, ...] = tuple(f.name for f in VIEW_FIELDS if f.dims != ("tokens",))
+
+
+class ContextGPUView:
+    """Destination bookkeeping views for MTP forwards, one contiguous allocation.
+
+    Args:
+        max_requests: request slots (``mha_*`` fields hold ``max_requests`` rows).
+        max_tokens: token rows of the ``token_to_*`` fields.
+        max_kv_blocks: block-table width.
+        device: where the buffer lives.
+
+    Attributes: the ten ``VIEW_FIELDS`` (zero-initialised views into ``buffer``).
+    """
+
+    def __init__(self, max_requests: int, max_tokens: int, max_kv_blocks: int,
+                 device: torch.device | str = "cpu") -> None:
+        for name, value in (("max_requests", max_requests), ("max_tokens", max_tokens),
+                            ("max_kv_blocks", max_kv_blocks)):
+            if int(value) < 1:
+                raise ValueError(f"ContextGPUView: {name} must be >= 1, got {value}")
+        self.max_requests = int(max_requests)
+        self.max_tokens = int(max_tokens)
+        self.max_kv_blocks = int(max_kv_blocks)
+        layout = []
+        offset = 0
+        for spec in VIEW_FIELDS:
+            shape = spec.shape(self.max_requests, self.max_tokens, self.max_kv_blocks)
+            itemsize = torch.empty((), dtype=spec.dtype).element_size()
+            offset = -(-offset // itemsize) * itemsize
+            nbytes = itemsize * int(np.prod(shape))
+            layout.append((spec, shape, offset, nbytes))
+            offset += nbytes
+        # [nbytes] uint8: every field below is a typed view of this one allocation.
+        self.buffer = torch.zeros(offset, dtype=torch.uint8, device=device)
+        for spec, shape, start, nbytes in layout:
+            view = self.buffer[start:start + nbytes].view(spec.dtype).view(shape)
+            setattr(self, spec.name, view)
+        end = layout[-1][2] + layout[-1][3]
+        if end != self.buffer.numel():  # layout bug guard, not an input check
+            raise RuntimeError(f"ContextGPUView layout: fields end at {end}, "
+                               f"buffer holds {self.buffer.numel()} bytes")
+
+    @property
+    def device(self) -> torch.device:
+        return self.buffer.device
+
+    def fields(self) -> Dict[str, torch.Tensor]:
+        """The ten field views by name, in layout order."""
+        return {spec.name: getattr(self, spec.name) for spec in VIEW_FIELDS}
+
+    def __repr__(self) -> str:
+        return (f"ContextGPUView(max_requests={self.max_requests}, max_tokens="
+                f"{self.max_tokens}, max_kv_blocks={self.max_kv_blocks}, "
+                f"device={self.device})")
+
+
+class ViewTarget:
+    """What the writers need from one destination view, checked once.
+
+    ``tensors`` holds the ten fields in ``VIEW_FIELDS`` order; ``arrays`` their numpy
+    views when the view lives on the CPU (else ``None``). ``max_tokens`` is the shortest
+    token field, ``max_requests`` the shortest request field (cu arrays count one less),
+    ``width`` the block-table width.
+    """
+
+    __slots__ = ("tensors", "arrays", "max_tokens", "max_requests", "width", "device",
+                 "__weakref__")
+
+    def __init__(self, gpu_view: Any) -> None:
+        tensors = []
+        for spec in VIEW_FIELDS:
+            tensor = getattr(gpu_view, spec.name, None)
+            if not isinstance(tensor, torch.Tensor):
+                raise ValueError(f"gpu_view: missing tensor field {spec.name!r} "
+                                 f"(got {type(tensor).__name__})")
+            if tensor.dtype.is_floating_point or tensor.dtype.is_complex or \
+                    tensor.dtype == torch.bool:
+                raise InvalidDtypeError(f"gpu_view.{spec.name}: dtype {tensor.dtype} is "
+                                        "not an integer dtype")
+            if tensor.dim() != len(spec.dims):
+                raise ValueError(f"gpu_view.{spec.name}: expected {len(spec.dims)}-D, got "
+                                 f"shape {tuple(tensor.shape)}")
+            tensors.append(tensor)
+        self.tensors: Tuple[torch.Tensor, ...] = tuple(tensors)
+        self.device = tensors[0].device
+        for spec, tensor in zip(VIEW_FIELDS, tensors):
+            if tensor.device != self.device:
+                raise ValueError(f"gpu_view.{spec.name}: on {tensor.device}, other fields "
+                                 f"on {self.device}")
+        by_name = dict(zip((f.name for f in VIEW_FIELDS), tensors))
+        self.max_tokens = min(by_name[name].shape[0] for name in TOKEN_FIELDS)
+        self.max_requests = min(
+            by_name["mha_query_lengths"].shape[0], by_name["mha_kv_seq_lengths"].shape[0],
+            by_name["mha_cu_query_seq_lengths"].shape[0] - 1,
+            by_name["mha_cu_kv_seq_lengths"].shape[0] - 1,
+            by_name["mha_block_table"].shape[0])
+        self.width = by_name["mha_block_table"].shape[1]
+        self.arrays: Optional[Tuple[np.ndarray, ...]] = None
+        if self.device.type == "cpu":
+            self.arrays = tuple(t.numpy() for t in tensors)
+
+    def still_matches(self, gpu_view: Any) -> bool:
+        """True while every field attribute is still the tensor this target was built on."""
+        for spec, tensor in zip(VIEW_FIELDS, self.tensors):
+            if getattr(gpu_view, spec.name, None) is not tensor:
+                return False
+        return True
+
+
+class ViewCache:
+    """Resolves destination views to ``ViewTarget``s, keeping a few recent ones."""
+
+    def __init__(self, capacity: int = 8) -> None:
+        self._capacity = capacity
+        self._entries: Dict[int, Tuple[weakref.ReferenceType | Any, ViewTarget]] = {}
+
+    def resolve(self, gpu_view: Any) -> ViewTarget:
+        entry = self._entries.get(id(gpu_view))
+        if entry is not None:
+            ref, target = entry
+            owner = ref() if isinstance(ref, weakref.ReferenceType) else ref
+            if owner is gpu_view and target.still_matches(gpu_view):
+                return target
+        target = ViewTarget(gpu_view)
+        if len(self._entries) >= self._capacity:
+            self._entries.pop(next(iter(self._entries)))
+        try:
+            ref: Any = weakref.ref(gpu_view)
+        except TypeError:  # objects without __weakref__ (e.g. slotted) are held strongly
+            ref = gpu_view
+        self._entries[id(gpu_view)] = (ref, target)
+        return target
+
+    def clear(self) -> None:
+        self._entries.clear()

@@ -1,0 +1,133 @@
+"""Boundary validation: turn caller inputs into host numpy arrays and check bounds.
+
+Every public method runs these BEFORE it writes anything, so a bad input leaves every
+buffer as it was. Messages name the argument and the bound, e.g.
+``"positions: block column 9 >= max_kv_block_count 8 (position 75, block_size 8)"``.
+These are explicit raises, never ``assert``: they hold under ``python -O``.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Union
+
+import numpy as np
+import torch
+
+from . import native
+from .errors import InvalidDtypeError
+
+__all__ = [
+    "as_count",
+    "as_host_ints",
+    "as_row_indices",
+    "check_rows_in_range",
+    "is_device_tensor",
+    "RowIndex",
+]
+
+RowIndex = Union[slice, np.ndarray]
+_FAST_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
+
+
+def is_device_tensor(value: Any) -> bool:
+    """True for a torch tensor that is not in host memory."""
+    return isinstance(value, torch.Tensor) and value.device.type != "cpu"
+
+
+def as_count(value: Any, name: str, *, low: int = 0, high: int | None = None,
+             high_name: str = "") -> int:
+    """An integer in ``[low, high]``; raises ValueError naming ``name`` and the bound."""
+    if isinstance(value, bool) or isinstance(value, float):
+        raise InvalidDtypeError(f"{name}: expected an integer, got {value!r}")
+    try:
+        count = operator.index(value)
+    except TypeError:
+        raise InvalidDtypeError(f"{name}: expected an integer, got "
+                                f"{type(value).__name__}") from None
+    if count < low:
+        raise ValueError(f"{name}: {count} < {low}")
+    if high is not None and count > high:
+        raise ValueError(f"{name}: {count} > {high_name or 'limit'} {high}")
+    return count
+
+
+def _numpy_of(value: Any, name: str) -> np.ndarray:
+    if isinstance(value, np.ndarray):
+        return value
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "cpu":
+            # Documented sync: a device tensor given where host data is needed.
+            value = value.cpu()
+        if value.dtype.is_floating_point or value.dtype.is_complex:
+            raise InvalidDtypeError(f"{name}: dtype {value.dtype} cannot be cast safely to "
+                                    "an integer index/count")
+        return value.detach().numpy()
+    if isinstance(value, (list, tuple, range)):
+        array = np.asarray(value)
+        if array.size == 0:
+            return np.zeros(array.shape, dtype=np.int64)
+        return array
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        return np.asarray(value)
+    raise InvalidDtypeError(f"{name}: expected a tensor, numpy array or sequence of "
+                            f"integers, got {type(value).__name__}")
+
+
+def _as_fast_ints(array: np.ndarray, name: str) -> np.ndarray:
+    if array.dtype.kind not in "iu":
+        raise InvalidDtypeError(f"{name}: dtype {array.dtype} cannot be cast safely to an "
+                                "integer index/count")
+    if array.dtype not in _FAST_DTYPES:
+        if array.dtype == np.uint64 and array.size and array.max() > np.iinfo(np.int64).max:
+            raise ValueError(f"{name}: value {array.max()} does not fit int64")
+        array = array.astype(np.int64)
+    if not array.flags.c_contiguous:
+        array = np.ascontiguousarray(array)
+    return array
+
+
+def as_host_ints(value: Any, name: str, *, ndim: int = 1) -> np.ndarray:
+    """A C-contiguous int32/int64 numpy array of ``ndim`` dims (no copy when possible).
+
+    Accepts numpy arrays, CPU or device torch tensors (a device tensor costs a sync, so
+    callers route those to device ops instead), and Python sequences.
+    """
+    array = _numpy_of(value, name)
+    if array.ndim != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-D array of integers, got shape "
+                         f"{tuple(array.shape)}")
+    return _as_fast_ints(array, name)
+
+
+def check_rows_in_range(rows: np.ndarray, num_rows: int, name: str) -> None:
+    """IndexError unless every row is in ``[-num_rows, num_rows)`` (torch semantics)."""
+    bad = native.checks.first_outside(rows, -num_rows, num_rows)
+    if bad >= 0:
+        raise IndexError(f"{name}: row index {int(rows[bad])} out of range for "
+                         f"max_requests {num_rows} (valid: -{num_rows} <= row < {num_rows})")
+
+
+def as_row_indices(value: Any, num_rows: int, name: str) -> RowIndex:
+    """Row selection in any form torch indexing takes: slice, int, sequence, numpy
+    array, tensor, or a boolean mask of length ``num_rows``. Returns a slice or a
+    checked int array; raises IndexError for a row outside ``[-num_rows, num_rows)``.
+    """
+    if isinstance(value, slice):
+        return value
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        rows = np.asarray([value], dtype=np.int64)
+    else:
+        array = _numpy_of(value, name)
+        if array.dtype == np.bool_:
+            if array.shape != (num_rows,):
+                raise IndexError(f"{name}: boolean mask of shape {tuple(array.shape)} does "
+                                 f"not match max_requests {num_rows}")
+            return np.flatnonzero(array)
+        if array.ndim == 0:
+            array = array.reshape(1)
+        if array.ndim != 1:
+            raise ValueError(f"{name}: expected a 1-D index, got shape {tuple(array.shape)}")
+        rows = _as_fast_ints(array, name)
+    check_rows_in_range(rows, num_rows, name)
+    return rows

@@ -1,0 +1,46 @@
+"""Public value types shared by the fast path and the reference: the forward mode and
+the host-computed shape of one forward."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Optional
+
+__all__ = ["MTPForwardMode", "ForwardShape"]
+
+
+class MTPForwardMode(enum.Enum):
+    """Which MTP forward, if any, currently owns the attention metadata.
+
+    A draft depth contributes exactly one token per active request (uniform, decode
+    kernel); the commit pass is ragged over each request's committed span (varlen).
+    """
+
+    NONE = "none"
+    DRAFT = "draft"
+    COMMIT = "commit"
+
+
+@dataclass(frozen=True)
+class ForwardShape:
+    """Launch shape of one MTP forward, computed on the host (no device sync).
+
+    Attributes:
+        token_count: real tokens written this forward (``T``).
+        padded_token_count: token rows the forward runs, padding included.
+        request_count: request slots with a real or pad-absorbing length (``n``; for a
+            commit pass ``P`` or ``P + 1`` when a trailing pad request was staged).
+        padded_request_count: request slots the attention kernel launches over.
+        max_seqlen_q: largest per-request query length among the ``request_count`` slots.
+        max_seqlen_k: largest per-request KV length. ``None`` only for a draft depth whose
+            ``begin_decode`` received ``start_positions`` as a device tensor: the host has
+            no copy of the offsets and reading one back would be a sync.
+    """
+
+    token_count: int
+    padded_token_count: int
+    request_count: int
+    padded_request_count: int
+    max_seqlen_q: int
+    max_seqlen_k: Optional[int]

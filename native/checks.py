@@ -1,0 +1,39 @@
+"""Bound scans for the validating wrappers: each returns the index of the first
+offending element, or -1 when every element is in bounds."""
+
+from numba import njit
+
+
+@njit(cache=True)
+def first_outside(values, low, high):
+    """First ``i`` with ``not (low <= values[i] < high)``, else -1. values: int [K]."""
+    for i in range(values.shape[0]):
+        value = values[i]
+        if value < low or value >= high:
+            return i
+    return -1
+
+
+@njit(cache=True)
+def first_negative(values):
+    """First ``i`` with ``values[i] < 0``, else -1. values: int [K]."""
+    for i in range(values.shape[0]):
+        if values[i] < 0:
+            return i
+    return -1
+
+
+@njit(cache=True)
+def min_max(values, count):
+    """``(min, max)`` of ``values[:count]`` as int64; ``(0, -1)`` when count is 0."""
+    if count == 0:
+        return 0, -1
+    low = values[0]
+    high = values[0]
+    for i in range(1, count):
+        value = values[i]
+        if value < low:
+            low = value
+        if value > high:
+            high = value
+    return low, high

@@ -1,0 +1,316 @@
+"""Draft-loop and commit-pass staging kernels, token maps and MHA metadata.
+
+Terms: ``R`` max requests, ``W`` block-table width, ``BS`` block size in tokens, ``D``
+the dummy block, ``n`` requests in a forward, ``T`` real tokens, ``p``/``padded`` the
+padded count. All block/slot arithmetic is int64. The kernels that call each other live
+in this one file because numba's on-disk cache does not track other files.
+
+The output arrays are either numpy views of the destination view's fields (direct path)
+or of pinned staging buffers (mirror path); the kernels do not care which.
+"""
+
+import numpy as np
+from numba import njit
+
+# Codes of ``check_token_inputs`` / ``check_commit_inputs`` (index of the culprit beside).
+TOKENS_OK = 0
+ROW_OUT_OF_TABLE = 1
+ROW_OUT_OF_INHERITED = 2
+NEGATIVE_POSITION = 3
+BLOCK_COLUMN_TOO_LARGE = 4
+NEGATIVE_COUNT = 5
+
+
+# --------------------------------------------------------------------------- draft loop
+@njit(cache=True)
+def copy_decode_inputs(start_positions, table_src, count, offsets, block_table):
+    """``offsets[:count] = start_positions[:count]``; ``block_table[:count] = table_src[:count]``.
+
+    start_positions: int [>= count]; table_src: int [>= count, W];
+    offsets: int32 [R]; block_table: int32/int64 [R, W].
+    """
+    width = block_table.shape[1]
+    for i in range(count):
+        offsets[i] = start_positions[i]
+        for col in range(width):
+            block_table[i, col] = table_src[i, col]
+
+
+@njit(cache=True)
+def fill_capture_state(offsets, block_table, count, dummy):
+    """Scratch-only draft state: ``offsets[:count] = 0``, ``block_table[:count] = dummy``."""
+    width = block_table.shape[1]
+    for i in range(count):
+        offsets[i] = 0
+        for col in range(width):
+            block_table[i, col] = dummy
+
+
+@njit(cache=True)
+def advance_offsets(offsets, count):
+    """``offsets[:count] += 1``. offsets: int32 [R]."""
+    for i in range(count):
+        offsets[i] += 1
+
+
+@njit(cache=True)
+def stage_decode_lengths(offsets, count, query_lengths, kv_lengths):
+    """One query row, ``position + 1`` keys: ``q[:n] = 1``, ``kv[:n] = offsets[:n] + 1``.
+
+    Returns the largest KV length (0 when count is 0). All arrays int32 [R].
+    Example: offsets [5, 11] -> q [1, 1], kv [6, 12], returns 12.
+    """
+    max_kv = 0
+    for i in range(count):
+        query_lengths[i] = 1
+        kv = np.int64(offsets[i]) + 1
+        kv_lengths[i] = kv
+        if kv > max_kv:
+            max_kv = kv
+    return max_kv
+
+
+# --------------------------------------------------------------------------- token maps
+@njit(cache=True)
+def check_token_inputs(rows, positions, num_table_rows, num_inherited, has_inherited,
+                       max_columns, block_size):
+    """Scan ``(rows, positions)`` [T] for the first bad token; return ``(code, t)``.
+
+    Codes: ROW_OUT_OF_TABLE (row not in [0, num_table_rows)), ROW_OUT_OF_INHERITED
+    (row >= num_inherited), NEGATIVE_POSITION, BLOCK_COLUMN_TOO_LARGE
+    (position // block_size >= max_columns); ``(TOKENS_OK, -1)`` when all are good.
+    """
+    for t in range(positions.shape[0]):
+        row = rows[t]
+        if row < 0 or row >= num_table_rows:
+            return ROW_OUT_OF_TABLE, t
+        if has_inherited and row >= num_inherited:
+            return ROW_OUT_OF_INHERITED, t
+        position = np.int64(positions[t])
+        if position < 0:
+            return NEGATIVE_POSITION, t
+        if position // block_size >= max_columns:
+            return BLOCK_COLUMN_TOO_LARGE, t
+    return TOKENS_OK, -1
+
+
+@njit(cache=True)
+def write_token_maps(rows, positions, block_table, inherited, has_inherited, padded,
+                     block_size, dummy, pos_ids, block_idx, local_pos, request_idx,
+                     position_in_request):
+    """Per-token KV destinations for ``T = len(positions)`` tokens, padded to ``padded``.
+
+    For ``t < T``: ``col = pos // BS``; block is ``D`` when ``col < inherited[row]``
+    (inherited KV is never rewritten), else ``block_table[row, col]``; local offset
+    ``pos % BS``; request ``row``; both position fields ``pos``. For
+    ``T <= t < padded`` only block (``D``) and local offset (0) are written.
+    rows, positions, inherited: int [T]/[T]/[>rows]; block_table: int [B, W];
+    outputs (the five token fields in view order, pos_ids first): int [>= padded],
+    pos_ids int64 and the rest int32 in upstream's view.
+    Example (BS 8, table [[3, 4]], inherited [1]): rows [0, 0], positions [7, 8],
+    padded 3 -> block [D, 4, D], local [7, 0, 0].
+    """
+    count = positions.shape[0]
+    for t in range(count):
+        row = rows[t]
+        position = np.int64(positions[t])
+        column = position // block_size
+        if has_inherited and column < inherited[row]:
+            block_idx[t] = dummy
+        else:
+            block_idx[t] = block_table[row, column]
+        local_pos[t] = position - column * block_size
+        request_idx[t] = row
+        position_in_request[t] = position
+        pos_ids[t] = position
+    for t in range(count, padded):
+        block_idx[t] = dummy
+        local_pos[t] = 0
+
+
+@njit(cache=True)
+def check_commit_inputs(counts, starts, has_starts, max_columns, block_size):
+    """Scan a commit pass's per-request spans; return ``(code, r, total, max_count)``.
+
+    Request ``r`` writes positions ``starts[r] .. starts[r] + counts[r] - 1`` (start 0
+    without starts). Codes: NEGATIVE_COUNT, NEGATIVE_POSITION (a negative start),
+    BLOCK_COLUMN_TOO_LARGE (its last position's column >= max_columns). ``total`` is
+    ``sum(counts)`` and ``max_count`` the largest count (both valid only when OK).
+    """
+    total = 0
+    max_count = 0
+    for r in range(counts.shape[0]):
+        count = np.int64(counts[r])
+        if count < 0:
+            return NEGATIVE_COUNT, r, 0, 0
+        start = np.int64(starts[r]) if has_starts else np.int64(0)
+        if start < 0:
+            return NEGATIVE_POSITION, r, 0, 0
+        if count > 0 and (start + count - 1) // block_size >= max_columns:
+            return BLOCK_COLUMN_TOO_LARGE, r, 0, 0
+        total += count
+        if count > max_count:
+            max_count = count
+    return TOKENS_OK, -1, total, max_count
+
+
+@njit(cache=True)
+def write_commit_token_maps(counts, starts, has_starts, block_table, inherited,
+                            has_inherited, padded, block_size, dummy, pos_ids,
+                            block_idx, local_pos, request_idx, position_in_request):
+    """Token maps of a commit pass: request ``r`` owns row ``r`` and writes ``counts[r]``
+    consecutive positions from ``starts[r]`` (0 without starts). Returns ``T``.
+
+    Same per-token rule and padding as ``write_token_maps``.
+    Example: counts [2, 1], starts [7, 3] -> rows [0, 0, 1], positions [7, 8, 3].
+    """
+    t = 0
+    for r in range(counts.shape[0]):
+        start = np.int64(starts[r]) if has_starts else np.int64(0)
+        protected = np.int64(inherited[r]) if has_inherited else np.int64(0)
+        for j in range(counts[r]):
+            position = start + j
+            column = position // block_size
+            if column < protected:
+                block_idx[t] = dummy
+            else:
+                block_idx[t] = block_table[r, column]
+            local_pos[t] = position - column * block_size
+            request_idx[t] = r
+            position_in_request[t] = position
+            pos_ids[t] = position
+            t += 1
+    for i in range(t, padded):
+        block_idx[i] = dummy
+        local_pos[i] = 0
+    return t
+
+
+# ------------------------------------------------------------------------ lengths / MHA
+@njit(cache=True)
+def stage_prefill_lengths(counts, pad_tokens, max_requests, lengths):
+    """Commit-pass lengths with the TP pad rows absorbed; returns the staged length.
+
+    ``lengths[:P] = counts``; with ``pad_tokens > 0`` a spare slot (``P < R``) gets its
+    own trailing entry ``pad_tokens``, a full batch grows its last entry instead.
+    counts: int [P]; lengths: int32 [>= P + 1].
+    Example: counts [3, 2], pad 3 -> [3, 2, 3] (spare slot), returns 3;
+    with R = 2 -> [3, 5], returns 2.
+    """
+    num_prefill = counts.shape[0]
+    for i in range(num_prefill):
+        lengths[i] = counts[i]
+    if pad_tokens > 0:
+        if num_prefill < max_requests:
+            lengths[num_prefill] = pad_tokens
+            return num_prefill + 1
+        lengths[num_prefill - 1] += pad_tokens
+    return num_prefill
+
+
+@njit(cache=True)
+def write_mha_metadata(query_lengths, kv_lengths, count, block_table, num_table_rows,
+                       padded, dummy, mha_query_lengths, mha_kv_seq_lengths,
+                       mha_cu_query_seq_lengths, mha_cu_kv_seq_lengths, mha_block_table):
+    """Per-request MHA read metadata for ``count`` requests, padded to ``padded`` slots.
+
+    Slots ``< count``: lengths and running sums (``cu[0] = 0``); block-table rows
+    ``< num_table_rows`` copied, the rest of ``[num_table_rows, count)`` all ``D`` (the
+    trailing pad request). Slots ``[count, padded)``: zero lengths, flat sums, rows of -1.
+    Returns ``(max_query_length, max_kv_length)`` over the real slots.
+    query/kv lengths: int [>= count]; block_table: int [>= num_table_rows, W];
+    mha lengths: int32 [>= padded]; cu: int32 [>= padded + 1]; mha_block_table: [>= padded, W].
+    Example: q [1, 1], kv [6, 12], padded 3 -> cu_q [0, 1, 2, 2], cu_kv [0, 6, 18, 18].
+    """
+    width = mha_block_table.shape[1]
+    mha_cu_query_seq_lengths[0] = 0
+    mha_cu_kv_seq_lengths[0] = 0
+    sum_q = np.int64(0)
+    sum_kv = np.int64(0)
+    max_q = np.int64(0)
+    max_kv = np.int64(0)
+    for i in range(count):
+        q = np.int64(query_lengths[i])
+        kv = np.int64(kv_lengths[i])
+        mha_query_lengths[i] = q
+        mha_kv_seq_lengths[i] = kv
+        sum_q += q
+        sum_kv += kv
+        mha_cu_query_seq_lengths[i + 1] = sum_q
+        mha_cu_kv_seq_lengths[i + 1] = sum_kv
+        if q > max_q:
+            max_q = q
+        if kv > max_kv:
+            max_kv = kv
+    for i in range(num_table_rows):
+        for col in range(width):
+            mha_block_table[i, col] = block_table[i, col]
+    for i in range(num_table_rows, count):
+        for col in range(width):
+            mha_block_table[i, col] = dummy
+    for i in range(count, padded):
+        mha_query_lengths[i] = 0
+        mha_kv_seq_lengths[i] = 0
+        mha_cu_query_seq_lengths[i + 1] = sum_q
+        mha_cu_kv_seq_lengths[i + 1] = sum_kv
+        for col in range(width):
+            mha_block_table[i, col] = -1
+    return max_q, max_kv
+
+
+# ----------------------------------------------------------------------- fused forwards
+@njit(cache=True)
+def decode_step(offsets, block_table, count, padded, block_size, dummy, query_lengths,
+                kv_lengths, pos_ids, block_idx, local_pos, request_idx,
+                position_in_request, mha_query_lengths, mha_kv_seq_lengths, mha_cu_query_seq_lengths,
+                mha_cu_kv_seq_lengths, mha_block_table):
+    """One draft depth in one call: token maps for rows ``0..n-1`` at ``offsets[:n]``
+    through ``block_table[:n]`` padded to ``padded``, the decode lengths, and the MHA
+    metadata padded to ``padded``. Returns the largest KV length.
+
+    offsets: int32 [R]; block_table: [R, W]; query/kv lengths: int32 [R]; the ten view
+    outputs as in ``write_token_maps`` / ``write_mha_metadata``.
+    """
+    for t in range(count):
+        position = np.int64(offsets[t])
+        column = position // block_size
+        block_idx[t] = block_table[t, column]
+        local_pos[t] = position - column * block_size
+        request_idx[t] = t
+        position_in_request[t] = position
+        pos_ids[t] = position
+    for t in range(count, padded):
+        block_idx[t] = dummy
+        local_pos[t] = 0
+    stage_decode_lengths(offsets, count, query_lengths, kv_lengths)
+    _, max_kv = write_mha_metadata(query_lengths, kv_lengths, count, block_table, count,
+                                   padded, dummy, mha_query_lengths, mha_kv_seq_lengths,
+                                   mha_cu_query_seq_lengths, mha_cu_kv_seq_lengths,
+                                   mha_block_table)
+    return max_kv
+
+
+@njit(cache=True)
+def commit_pass(counts, starts, has_starts, block_table, inherited, has_inherited,
+                padded_tokens, pad_tokens, max_requests, min_padded_requests, block_size,
+                dummy, lengths, pos_ids, block_idx, local_pos, request_idx,
+                position_in_request, mha_query_lengths, mha_kv_seq_lengths, mha_cu_query_seq_lengths,
+                mha_cu_kv_seq_lengths, mha_block_table):
+    """A whole varlen commit pass in one call; returns ``(T, m, padded_requests, max_len)``.
+
+    Token maps as ``write_commit_token_maps``; lengths as ``stage_prefill_lengths`` into
+    ``lengths`` (``m`` = P or P + 1); MHA metadata with ``lengths`` as both query and KV
+    over ``max(min_padded_requests, m)`` slots, block rows ``< P`` from ``block_table``.
+    """
+    num_prefill = counts.shape[0]
+    total = write_commit_token_maps(counts, starts, has_starts, block_table, inherited,
+                                    has_inherited, padded_tokens, block_size, dummy,
+                                    pos_ids, block_idx, local_pos, request_idx,
+                                    position_in_request)
+    staged = stage_prefill_lengths(counts, pad_tokens, max_requests, lengths)
+    padded_requests = min_padded_requests if min_padded_requests > staged else staged
+    max_len, _ = write_mha_metadata(lengths, lengths, staged, block_table, num_prefill,
+                                    padded_requests, dummy, mha_query_lengths,
+                                    mha_kv_seq_lengths, mha_cu_query_seq_lengths,
+                                    mha_cu_kv_seq_lengths, mha_block_table)
+    return total, staged, padded_requests, max_len
