@@ -44,13 +44,16 @@ class PersistentBuffers:
                  block_table_dtype: torch.dtype, hidden_size: int,
                  hidden_dtype: torch.dtype, device: torch.device) -> "PersistentBuffers":
         annotations = host_tensor((max_requests,), torch.int32)
+        # [2, R] int32: query and KV length staging side by side, so a copy of both
+        # rows of a prefix is one strided op.
+        lengths = torch.zeros((2, max_requests), dtype=torch.int32, device=device)
         return cls(
             request_matched_prefix_blocks=annotations,
             offsets=torch.zeros(max_requests, dtype=torch.int32, device=device),
             block_table=torch.full((max_requests, max_kv_block_count), dummy_block_idx,
                                    dtype=block_table_dtype, device=device),
-            query_lengths=torch.zeros(max_requests, dtype=torch.int32, device=device),
-            kv_lengths=torch.zeros(max_requests, dtype=torch.int32, device=device),
+            query_lengths=lengths[0],
+            kv_lengths=lengths[1],
             row_ids=torch.arange(max_requests, dtype=torch.int64, device=device),
             chunk_boundary_hidden=torch.zeros((1, 1, hidden_size), dtype=hidden_dtype,
                                               device=device),

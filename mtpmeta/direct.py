@@ -53,7 +53,8 @@ class DirectBackend:
         native.staging.stage_decode_lengths(self.host_offsets, count, self._query_lengths,
                                             self._kv_lengths)
 
-    def decode_step(self, target: ViewTarget, count: int, padded: int) -> int:
+    def decode_step(self, target: ViewTarget, count: int, padded: int,
+                    graphed: bool) -> int:
         return native.staging.decode_step(self.host_offsets, self._block_table, count,
                                           padded, self.block_size, self.dummy,
                                           self._query_lengths, self._kv_lengths,
@@ -67,7 +68,7 @@ class DirectBackend:
     def commit_pass(self, target: ViewTarget, counts: np.ndarray,
                     starts: Optional[np.ndarray], table: np.ndarray,
                     inherited: Optional[np.ndarray], padded_tokens: int, pad_tokens: int,
-                    min_padded_requests: int) -> Tuple[int, int, int]:
+                    min_padded_requests: int, padded_requests: int) -> Tuple[int, int, int]:
         _, staged, padded_requests, max_len = native.staging.commit_pass(
             counts, _NO_INDEX if starts is None else starts, starts is not None, table,
             _NO_INDEX if inherited is None else inherited, inherited is not None,

@@ -129,11 +129,12 @@ class ViewTarget:
     ``tensors`` holds the ten fields in ``VIEW_FIELDS`` order; ``arrays`` their numpy
     views when the view lives on the CPU (else ``None``). ``max_tokens`` is the shortest
     token field, ``max_requests`` the shortest request field (cu arrays count one less),
-    ``width`` the block-table width.
+    ``width`` the block-table width. ``plans`` caches the mirror path's per-shape copy
+    plans against this view, so they die with it.
     """
 
     __slots__ = ("tensors", "arrays", "max_tokens", "max_requests", "width", "device",
-                 "__weakref__")
+                 "plans", "__weakref__")
 
     def __init__(self, gpu_view: Any) -> None:
         tensors = []
@@ -165,6 +166,8 @@ class ViewTarget:
             by_name["mha_block_table"].shape[0])
         self.width = by_name["mha_block_table"].shape[1]
         self.arrays: Optional[Tuple[np.ndarray, ...]] = None
+        # Copy plans of the mirror path built against this view (views, never data).
+        self.plans: Dict[Any, Any] = {}
         if self.device.type == "cpu":
             self.arrays = tuple(t.numpy() for t in tensors)
 

@@ -501,7 +501,7 @@ class MTPMetadata:
             if low < 0:
                 raise ValueError(f"active_offsets: negative position {low}")
             self._check_block_column("active_offsets", high)
-        max_kv = backend.decode_step(target, count, padded)
+        max_kv = backend.decode_step(target, count, padded, self.graphed)
         return ForwardShape(
             token_count=count, padded_token_count=padded, request_count=count,
             padded_request_count=padded, max_seqlen_q=1 if count else 0,
@@ -613,10 +613,12 @@ class MTPMetadata:
         if min_padded < num_prefill:
             raise ValueError(f"padded_request_count: {min_padded} < number of requests "
                              f"{num_prefill} (append_counts)")
-        self._check_view_capacity(target, requests=max(min_padded, staged))
+        padded_requests = max(min_padded, staged)
+        self._check_view_capacity(target, requests=padded_requests)
         backend.check_token_capacity(padded_tokens)
         staged, padded_requests, max_len = backend.commit_pass(
-            target, counts, starts, table, inherited, padded_tokens, pad, min_padded)
+            target, counts, starts, table, inherited, padded_tokens, pad, min_padded,
+            padded_requests)
         self.forward_mode = MTPForwardMode.COMMIT
         return ForwardShape(
             token_count=int(total), padded_token_count=padded_tokens, request_count=staged,
