@@ -62,7 +62,8 @@ def _numpy_of(value: Any, name: str) -> np.ndarray:
         if value.dtype.is_floating_point or value.dtype.is_complex:
             raise InvalidDtypeError(f"{name}: dtype {value.dtype} cannot be cast safely to "
                                     "an integer index/count")
-        return value.detach().numpy()
+        # Integer tensors cannot require grad, so .numpy() needs no detach (an op).
+        return value.numpy()
     if isinstance(value, (list, tuple, range)):
         array = np.asarray(value)
         if array.size == 0:

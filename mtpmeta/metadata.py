@@ -96,6 +96,7 @@ class MTPMetadata:
         self._backend: Optional[DirectBackend] = None
         self._views = ViewCache()
         self._prefill_views: Dict[int, Tensor] = {}
+        self._active_views: Dict[int, Tuple[Tensor, Tensor, Tuple[Tensor, Tensor]]] = {}
         self._active_lengths: Optional[Tuple[Tensor, Tensor]] = None
 
     # ----------------------------------------------------------------- properties
@@ -213,6 +214,7 @@ class MTPMetadata:
         self._clear_active()
         self._views.clear()
         self._prefill_views = {}
+        self._active_views = {}
         self.invalidate_chunk_boundary()
 
     def deallocate(self) -> None:
@@ -222,6 +224,7 @@ class MTPMetadata:
         self._clear_active()
         self._views.clear()
         self._prefill_views = {}
+        self._active_views = {}
         self.forward_mode = MTPForwardMode.NONE
         self.invalidate_chunk_boundary()
 
@@ -323,7 +326,8 @@ class MTPMetadata:
                              f"{tuple(hidden.shape)}), expected hidden_size "
                              f"{self.hidden_size}")
         target = self._buffers.chunk_boundary_hidden
-        target.view(-1).copy_(hidden.detach().reshape(-1), non_blocking=True)
+        with torch.no_grad():  # never let the persistent buffer join an autograd graph
+            target.copy_(hidden.reshape(target.shape), non_blocking=True)
         native.carry.record(self._carry_state, req_id, position)
 
     def take_chunk_boundary(self, req_id: int, seam_position: int) -> Tensor:
@@ -445,12 +449,15 @@ class MTPMetadata:
         count = as_count(active_request_count, "active_request_count",
                          high=self.max_requests, high_name="max_requests")
         padded = self._padded_request_slots(padded_count, count)
-        buffers = self._buffers
+        views = self._active_views.get(count)
+        if views is None:  # views of the fixed buffers, built once per count
+            buffers = self._buffers
+            views = (buffers.offsets[:count], buffers.block_table[:count],
+                     (buffers.query_lengths[:count], buffers.kv_lengths[:count]))
+            self._active_views[count] = views
         self.active_request_count = count
         self.padded_count = padded
-        self.active_offsets = buffers.offsets[:count]
-        self.active_block_table = buffers.block_table[:count]
-        self._active_lengths = (buffers.query_lengths[:count], buffers.kv_lengths[:count])
+        self.active_offsets, self.active_block_table, self._active_lengths = views
         self.graphed = bool(graphed)
         self.forward_mode = MTPForwardMode.DRAFT
 

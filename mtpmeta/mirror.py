@@ -145,51 +145,52 @@ class MirrorBackend:
         the tokens whose request/position fields are written. ``to_lengths`` names what
         also lands in the persistent length buffers: ``"pair"`` (query and KV,
         ``lengths_count`` long), ``"query"`` (query only) or ``""``.
+
+        The copy plan is cached on the view in parts keyed by the one size each depends
+        on, so a workload whose token count varies step to step still reuses the views.
         """
         plans = target.plans
-        key = ("h2d", slot, layout.nbytes)
-        h2d = plans.get(key)
-        if h2d is None:
-            h2d = (self._device_stage[:layout.nbytes],
-                   self._forward_ring.slots[slot][:layout.nbytes])
-            plans[key] = h2d
+        if len(plans) > 4096:  # bound the cache on workloads of ever-new shapes
+            plans.clear()
+        h2d = self._cached(plans, ("h2d", slot, layout.nbytes), lambda: (
+            self._device_stage[:layout.nbytes],
+            self._forward_ring.slots[slot][:layout.nbytes]))
         h2d[0].copy_(h2d[1], non_blocking=True)
         self._forward_ring.release(slot)
-        for dst, src in self._copy_plan(target, layout, tokens, real_tokens, requests,
-                                        to_lengths, lengths_count):
-            dst.copy_(src, non_blocking=True)
-
-    def _copy_plan(self, target: ViewTarget, layout: ShadowLayout, tokens: int,
-                   real_tokens: int, requests: int, to_lengths: str,
-                   lengths_count: int) -> List[CopyPair]:
-        key = ("plan", tokens, real_tokens, requests, to_lengths, lengths_count)
-        plan = target.plans.get(key)
-        if plan is not None:
-            return plan
-        staged = target.plans.get(("staged", layout))
-        if staged is None:
-            staged = layout.tensor_fields(self._device_stage)
-            target.plans[("staged", layout)] = staged
+        staged = self._cached(plans, ("staged", layout),
+                              lambda: layout.tensor_fields(self._device_stage))
         view = target.tensors
-        plan = []
-        plan += _pair_copies(view[1], view[2], staged[1], staged[2], tokens)
-        plan += _pair_copies(view[3], view[4], staged[3], staged[4], real_tokens)
-        if real_tokens:
-            plan.append((view[0][:real_tokens], staged[0][:real_tokens]))
-        if requests:
-            plan += _pair_copies(view[5], view[6], staged[5], staged[6], requests)
-            plan += _pair_copies(view[7], view[8], staged[7], staged[8], requests + 1)
-            plan.append((view[9][:requests], staged[9]))
         buffers = self.buffers
+        parts = [
+            self._cached(plans, ("padded_tokens", layout, tokens), lambda: _pair_copies(
+                view[1], view[2], staged[1], staged[2], tokens)),
+            self._cached(plans, ("real_tokens", layout, real_tokens), lambda: _pair_copies(
+                view[3], view[4], staged[3], staged[4], real_tokens) + (
+                [(view[0][:real_tokens], staged[0][:real_tokens])] if real_tokens else [])),
+            self._cached(plans, ("requests", layout, requests), lambda: [] if not requests
+                         else _pair_copies(view[5], view[6], staged[5], staged[6], requests)
+                         + _pair_copies(view[7], view[8], staged[7], staged[8], requests + 1)
+                         + [(view[9][:requests], staged[9])]),
+        ]
         if to_lengths == "pair":
-            plan += _pair_copies(buffers.query_lengths, buffers.kv_lengths, staged[5],
-                                 staged[6], lengths_count)
+            parts.append(self._cached(plans, ("pair", layout, lengths_count),
+                                      lambda: _pair_copies(buffers.query_lengths,
+                                                           buffers.kv_lengths, staged[5],
+                                                           staged[6], lengths_count)))
         elif to_lengths == "query" and lengths_count:
-            plan.append((buffers.query_lengths[:lengths_count], staged[5][:lengths_count]))
-        if len(target.plans) > 512:  # bound the cache on workloads of ever-new shapes
-            target.plans.clear()
-        target.plans[key] = plan
-        return plan
+            parts.append(self._cached(plans, ("query", layout, lengths_count), lambda: [(
+                buffers.query_lengths[:lengths_count], staged[5][:lengths_count])]))
+        for part in parts:
+            for dst, src in part:
+                dst.copy_(src, non_blocking=True)
+
+    @staticmethod
+    def _cached(plans: dict, key, build):
+        value = plans.get(key)
+        if value is None:
+            value = build()
+            plans[key] = value
+        return value
 
     # ---------------------------------------------------------------- draft loop
     def begin_decode(self, count: int, start_positions: np.ndarray,

@@ -29,8 +29,16 @@ __all__ = ["CopyFence", "StagingRing", "BoundedCache", "ShadowLayout", "paired",
 _ALIGN = 8
 
 
+_NUMPY_DTYPES = {torch.int8: np.int8, torch.int16: np.int16, torch.int32: np.int32,
+                 torch.int64: np.int64, torch.uint8: np.uint8}
+for _bits in (16, 32, 64):
+    if hasattr(torch, f"uint{_bits}"):
+        _NUMPY_DTYPES[getattr(torch, f"uint{_bits}")] = getattr(np, f"uint{_bits}")
+
+
 def numpy_dtype(dtype: torch.dtype) -> np.dtype:
-    return torch.empty((), dtype=dtype).numpy().dtype
+    """The numpy dtype of an integer torch dtype."""
+    return np.dtype(_NUMPY_DTYPES[dtype])
 
 
 class CopyFence:
@@ -124,8 +132,7 @@ class ShadowLayout:
         for dtype, shape in zip(dtypes, shapes):
             offset = -(-offset // _ALIGN) * _ALIGN
             offsets.append(offset)
-            offset += int(np.prod(shape, dtype=np.int64)) * torch.empty(
-                (), dtype=dtype).element_size()
+            offset += int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         return cls(tuple(dtypes), tuple(tuple(s) for s in shapes), tuple(offsets),
                    -(-offset // _ALIGN) * _ALIGN)
 
@@ -144,8 +151,7 @@ class ShadowLayout:
         fields = []
         for dtype, shape, offset in zip(self.dtypes, self.shapes, self.offsets):
             count = int(np.prod(shape, dtype=np.int64))
-            itemsize = torch.empty((), dtype=dtype).element_size()
-            raw = device_bytes[offset:offset + count * itemsize]
+            raw = device_bytes[offset:offset + count * dtype.itemsize]
             fields.append(raw.view(dtype).view(shape))
         return tuple(fields)
 

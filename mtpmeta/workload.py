@@ -1,0 +1,174 @@
+"""The standard step: one seeded, scheduler-like workload shared by the bench command,
+the asv suite and the hygiene tests.
+
+A standard step (defaults of ``StepConfig``) is:
+
+* 256 max requests, 128 block columns of 64 tokens, 192 active requests;
+* row compaction: one ``move_request_rows`` of 16 rows, one ``swap_request_rows`` of 4
+  pairs, one ``reset_request_rows`` of 16 rows;
+* one chunk carry and one take at the exact seam;
+* a draft loop of 3 depths (``begin_decode``, then ``setup_decode_step`` +
+  ``advance_decode_step`` per depth, ``end_forward``), eager (not graphed);
+* a commit pass of the 192 decode requests writing 1-4 tokens each plus one 256-token
+  prefill chunk that inherits 8 blocks, tokens padded to a multiple of ``tp`` (8).
+
+``make_steps`` draws the inputs once (numpy, from ``np.random.default_rng(seed)``), so
+the timed loop measures only the library calls; ``run_step`` drives any object with
+the MTPMetadata API (the library or the reference) through one step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List
+
+import numpy as np
+import torch
+
+__all__ = ["StepConfig", "StepInputs", "make_steps", "run_step", "run_step_groups"]
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """Sizes of the standard step (see the module docstring)."""
+
+    max_requests: int = 256
+    block_columns: int = 128
+    block_size: int = 64
+    active: int = 192
+    depths: int = 3
+    prefill_tokens: int = 256
+    inherited_blocks: int = 8
+    tp: int = 8
+    moves: int = 16
+    swaps: int = 4
+    resets: int = 16
+    hidden_size: int = 64
+
+    @property
+    def dummy_block(self) -> int:
+        return self.max_requests * self.block_columns  # one past the real block ids
+
+    @property
+    def max_tokens(self) -> int:
+        decode = self.active * 4
+        return -(-(decode + self.prefill_tokens) // self.tp) * self.tp + self.tp
+
+    def metadata_kwargs(self) -> Dict[str, Any]:
+        return dict(enabled=True, max_requests=self.max_requests,
+                    max_kv_block_count=self.block_columns,
+                    block_size_tokens=self.block_size, dummy_block_idx=self.dummy_block,
+                    block_table_dtype=torch.int32, hidden_size=self.hidden_size,
+                    hidden_dtype=torch.float32)
+
+
+@dataclass
+class StepInputs:
+    """Inputs of one standard step, all host numpy arrays / torch CPU tensors."""
+
+    move_src: np.ndarray
+    move_dst: np.ndarray
+    swap_src: np.ndarray
+    swap_dst: np.ndarray
+    reset_rows: np.ndarray
+    hidden: torch.Tensor
+    carry_req_id: int
+    carry_position: int
+    start_positions: torch.Tensor  # [active] int32, depth-0 write positions
+    block_table: torch.Tensor  # [R, W] int32
+    append_counts: torch.Tensor  # [active + 1] int32
+    commit_starts: torch.Tensor  # [active + 1] int32
+    inherited: torch.Tensor  # [active + 1] int32
+    padded_tokens: int
+    padded_requests: int
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+
+def make_steps(config: StepConfig = StepConfig(), steps: int = 8,
+               seed: int = 0) -> List[StepInputs]:
+    """``steps`` standard steps drawn from ``np.random.default_rng(seed)``."""
+    rng = np.random.default_rng(seed)
+    R, W, BS = config.max_requests, config.block_columns, config.block_size
+    n = config.active
+    out = []
+    for step in range(steps):
+        rows = rng.permutation(R)
+        table = rng.permutation(R * W).reshape(R, W).astype(np.int32)
+        # Depth-0 positions leave room for the draft depths inside the table.
+        limit = W * BS - config.depths - 4
+        starts = rng.integers(0, limit, size=n).astype(np.int32)
+        counts = rng.integers(1, 5, size=n + 1).astype(np.int32)
+        counts[n] = config.prefill_tokens
+        commit_starts = np.maximum(starts - counts[:n], 0).astype(np.int32)
+        prefill_start = config.inherited_blocks * BS - BS // 2  # crosses the boundary
+        commit_starts = np.append(commit_starts, prefill_start).astype(np.int32)
+        inherited = np.zeros(n + 1, dtype=np.int32)
+        inherited[n] = config.inherited_blocks
+        total = int(counts.sum())
+        padded_tokens = -(-total // config.tp) * config.tp
+        out.append(StepInputs(
+            move_src=rows[:config.moves].copy(),
+            move_dst=rows[config.moves:2 * config.moves].copy(),
+            swap_src=rows[2 * config.moves:2 * config.moves + config.swaps].copy(),
+            swap_dst=rows[-config.swaps:].copy(),
+            reset_rows=rng.choice(R, size=config.resets, replace=False),
+            hidden=torch.from_numpy(rng.standard_normal(config.hidden_size)
+                                    .astype(np.float32)),
+            carry_req_id=1000 + step,
+            carry_position=prefill_start + config.prefill_tokens - 1,
+            start_positions=torch.from_numpy(starts),
+            block_table=torch.from_numpy(table),
+            append_counts=torch.from_numpy(counts),
+            commit_starts=torch.from_numpy(commit_starts),
+            inherited=torch.from_numpy(inherited),
+            padded_tokens=padded_tokens,
+            padded_requests=n + 1,
+        ))
+    return out
+
+
+def run_rows(meta: Any, inputs: StepInputs) -> None:
+    meta.move_request_rows(inputs.move_src, inputs.move_dst)
+    meta.swap_request_rows(inputs.swap_src, inputs.swap_dst)
+    meta.reset_request_rows(inputs.reset_rows)
+
+
+def run_carry(meta: Any, inputs: StepInputs) -> None:
+    meta.carry_chunk_boundary(inputs.hidden, inputs.carry_req_id, inputs.carry_position)
+    meta.take_chunk_boundary(inputs.carry_req_id, inputs.carry_position)
+
+
+def run_draft(meta: Any, view: Any, inputs: StepInputs, config: StepConfig) -> None:
+    n = config.active
+    padded = -(-n // config.tp) * config.tp
+    meta.begin_decode(n, padded, inputs.start_positions, inputs.block_table, False)
+    for _ in range(config.depths):
+        meta.setup_decode_step(view)
+        meta.advance_decode_step()
+    meta.end_forward()
+
+
+def run_commit(meta: Any, view: Any, inputs: StepInputs) -> None:
+    meta.setup_commit_pass(view, inputs.append_counts, inputs.block_table,
+                           start_positions=inputs.commit_starts,
+                           inherited_blocks=inputs.inherited,
+                           padded_token_count=inputs.padded_tokens,
+                           padded_request_count=inputs.padded_requests)
+    meta.end_forward()
+
+
+def run_step(meta: Any, view: Any, inputs: StepInputs, config: StepConfig) -> None:
+    """One standard step: rows, carry, draft loop, commit pass."""
+    run_rows(meta, inputs)
+    run_carry(meta, inputs)
+    run_draft(meta, view, inputs, config)
+    run_commit(meta, view, inputs)
+
+
+#: The method groups the bench reports separately, in step order.
+run_step_groups = {
+    "rows": lambda meta, view, inputs, config: run_rows(meta, inputs),
+    "carry": lambda meta, view, inputs, config: run_carry(meta, inputs),
+    "draft depth": run_draft,
+    "commit pass": lambda meta, view, inputs, config: run_commit(meta, view, inputs),
+}

@@ -1,0 +1,144 @@
+"""Draft-loop and commit-pass hygiene on the mirror path (CPU-forced, always run).
+
+A ``TorchDispatchMode`` (``mtpmeta.opcount.OpCounter``) watches every aten op. The
+failure stories: a ``.item()`` in the draft loop stalls the GPU pipeline every depth; a
+new tensor inside the loop breaks CUDA-graph replay (the graph reads a stale address);
+a moved buffer makes a captured graph write freed memory.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mtpmeta import VIEW_FIELDS, ContextGPUView, MTPMetadata
+from mtpmeta.opcount import OpCounter
+from mtpmeta.reference import ReferenceGPUView, ReferenceMTPMetadata
+from mtpmeta.workload import StepConfig, make_steps, run_commit, run_step
+
+SMALL = StepConfig(max_requests=32, block_columns=16, block_size=16, active=24, depths=3,
+                   prefill_tokens=40, inherited_blocks=2, moves=4, swaps=2, resets=4)
+STANDARD = StepConfig()
+
+
+def _library(config: StepConfig, mirror: bool):
+    meta = MTPMetadata(**config.metadata_kwargs())
+    meta.allocate("cpu", mirror=mirror)
+    view = ContextGPUView(config.max_requests, config.max_tokens, config.block_columns)
+    return meta, view
+
+
+def _reference(config: StepConfig):
+    ref = ReferenceMTPMetadata(**config.metadata_kwargs())
+    ref.allocate("cpu")
+    view = ReferenceGPUView(config.max_requests, config.max_tokens, config.block_columns,
+                            "cpu")
+    return ref, view
+
+
+def _addresses(meta: MTPMetadata, view: ContextGPUView):
+    names = ("request_matched_prefix_blocks", "offsets", "block_table", "query_lengths",
+             "kv_lengths", "row_ids", "chunk_boundary_hidden")
+    pointers = {name: getattr(meta, name).data_ptr() for name in names}
+    pointers.update({f.name: getattr(view, f.name).data_ptr() for f in VIEW_FIELDS})
+    return pointers
+
+
+@pytest.mark.parametrize("graphed", [False, True])
+def test_draft_loop_reads_nothing_back_and_allocates_nothing(graphed):
+    """Between begin_decode and end_forward the mirror path may issue device ops, but
+    no scalar read-back and no new tensor storage, eager or graphed."""
+    meta, view = _library(SMALL, mirror=True)
+    steps = make_steps(SMALL, 3, seed=1)
+    for inputs in steps:  # warm the per-shape view caches
+        run_step(meta, view, inputs, SMALL)
+    inputs = steps[0]
+    meta.begin_decode(SMALL.active, SMALL.active, inputs.start_positions,
+                      inputs.block_table, graphed)
+    with OpCounter() as counter:
+        for _ in range(SMALL.depths):
+            meta.setup_decode_step(view)
+            meta.stage_decode_lengths()
+            meta.advance_decode_step()
+        meta.end_forward()
+    assert counter.total > 0, "the mirror path must write the device through torch ops"
+    assert counter.scalar_reads == 0, counter.ops
+    assert counter.new_storages == 0, counter.new_storage_ops
+
+
+def test_staging_calls_with_host_inputs_never_read_device_scalars():
+    """setup_decode_step, stage_decode_lengths, advance_decode_step and
+    setup_commit_pass with host inputs make zero ``_local_scalar_dense`` calls."""
+    meta, view = _library(SMALL, mirror=True)
+    steps = make_steps(SMALL, 2, seed=2)
+    with OpCounter() as counter:
+        for inputs in steps:
+            meta.begin_decode(SMALL.active, SMALL.active + 3, inputs.start_positions,
+                              inputs.block_table, False)
+            for _ in range(SMALL.depths):
+                meta.setup_decode_step(view)
+                meta.stage_decode_lengths()
+                meta.advance_decode_step()
+            meta.end_forward()
+            run_commit(meta, view, inputs)
+    assert counter.scalar_reads == 0, counter.ops
+
+
+def test_persistent_buffers_and_view_fields_never_move():
+    """data_ptr of every persistent buffer and view field is the same across steps."""
+    meta, view = _library(SMALL, mirror=True)
+    before = _addresses(meta, view)
+    for inputs in make_steps(SMALL, 4, seed=3):
+        run_step(meta, view, inputs, SMALL)
+        assert _addresses(meta, view) == before
+
+
+@pytest.mark.parametrize("mirror", [False, True])
+def test_commit_pass_allocates_nothing_in_steady_state(mirror):
+    """Once the shapes are warm, a commit pass creates no tensor storage either."""
+    meta, view = _library(SMALL, mirror=mirror)
+    steps = make_steps(SMALL, 3, seed=4)
+    for inputs in steps:
+        run_step(meta, view, inputs, SMALL)
+    with OpCounter() as counter:
+        run_commit(meta, view, steps[1])
+    assert counter.scalar_reads == 0
+    assert counter.new_storages == 0, counter.new_storage_ops
+
+
+def test_direct_draft_loop_issues_no_torch_op_at_all():
+    """On the direct path the kernels write the CPU buffers in place: a draft depth
+    dispatches no torch op."""
+    meta, view = _library(SMALL, mirror=False)
+    inputs = make_steps(SMALL, 1, seed=5)[0]
+    meta.begin_decode(SMALL.active, SMALL.active, inputs.start_positions,
+                      inputs.block_table, False)
+    meta.setup_decode_step(view)
+    with OpCounter() as counter:
+        meta.setup_decode_step(view)
+        meta.advance_decode_step()
+        meta.stage_decode_lengths()
+        meta.end_forward()
+    assert counter.total == 0, counter.ops
+
+
+def test_standard_step_mirror_ops_at_most_a_quarter_of_reference(capsys):
+    """Torch ops per standard step: the mirror path issues at most 1/4 of the
+    reference's, with zero syncs against the reference's five. (Counts, not times.)"""
+    steps = make_steps(STANDARD, 4, seed=0)
+    counts = {}
+    for name in ("reference", "mirror"):
+        meta, view = _reference(STANDARD) if name == "reference" else \
+            _library(STANDARD, mirror=True)
+        for inputs in steps:  # warm-up round over the workload's shapes
+            run_step(meta, view, inputs, STANDARD)
+        with OpCounter() as counter:
+            run_step(meta, view, steps[2], STANDARD)
+        counts[name] = counter
+    ref, mirror = counts["reference"], counts["mirror"]
+    with capsys.disabled():
+        print(f"\nstandard step torch ops: reference {ref.total} ({ref.scalar_reads} syncs),"
+              f" mirror {mirror.total} ({mirror.scalar_reads} syncs)")
+    assert ref.scalar_reads == 5
+    assert mirror.scalar_reads == 0
+    assert 4 * mirror.total <= ref.total, (mirror.ops, ref.total)
