@@ -10,6 +10,7 @@ what the writers need.
 
 from __future__ import annotations
 
+import operator
 import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
@@ -67,6 +68,7 @@ VIEW_FIELDS: Tuple[ViewField, ...] = (
 )
 TOKEN_FIELDS: Tuple[str, ...] = tuple(f.name for f in VIEW_FIELDS if f.dims == ("tokens",))
 MHA_FIELDS: Tuple[str, ...] = tuple(f.name for f in VIEW_FIELDS if f.dims != ("tokens",))
+_FIELD_GETTER = operator.attrgetter(*(f.name for f in VIEW_FIELDS))
 
 
 class ContextGPUView:
@@ -173,10 +175,11 @@ class ViewTarget:
 
     def still_matches(self, gpu_view: Any) -> bool:
         """True while every field attribute is still the tensor this target was built on."""
-        for spec, tensor in zip(VIEW_FIELDS, self.tensors):
-            if getattr(gpu_view, spec.name, None) is not tensor:
-                return False
-        return True
+        try:
+            current = _FIELD_GETTER(gpu_view)
+        except AttributeError:
+            return False
+        return all(map(operator.is_, current, self.tensors))
 
 
 class ViewCache:

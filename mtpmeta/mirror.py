@@ -89,6 +89,8 @@ class MirrorBackend:
                                          fence_factory)
         # Forward staging: a shadow of the view, sized for 8-byte fields at capacity.
         capacity = self._shadow_layout([_WIDEST] * 10, max_tokens, max_requests, width)
+        self._fence_factory = fence_factory
+        self._generation = 0  # bumped when the forward staging is re-sized
         self._forward_ring = StagingRing(capacity.nbytes, num_slots, self.device,
                                          fence_factory)
         # [capacity] uint8 device twin of one forward slot: the H2D copy lands here.
@@ -102,35 +104,48 @@ class MirrorBackend:
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
-    def _shadow_layout(dtypes, tokens: int, requests: int, width: int) -> ShadowLayout:
-        shapes = ((tokens,),) * 5 + ((requests,), (requests,),
-                                     (requests + 1 if requests else 0,),
-                                     (requests + 1 if requests else 0,), (requests, width))
+    def _shadow_layout(dtypes, tokens: int, requests: Optional[int],
+                       width: int) -> ShadowLayout:
+        """``requests=None``: a token-only forward with no MHA section at all."""
+        count = requests or 0
+        sums = 0 if requests is None else count + 1
+        shapes = ((tokens,),) * 5 + ((count,), (count,), (sums,), (sums,), (count, width))
         return ShadowLayout.build(dtypes, shapes)
 
     def check_token_capacity(self, padded: int) -> None:
-        if padded > self.max_tokens:
-            raise ValueError(f"padded token count {padded} > max_tokens {self.max_tokens} "
-                             "staged by the mirror path (allocate(device, max_tokens=...))")
+        """Nothing to refuse: a forward larger than the staging grows it (``_grow``)."""
+
+    def _grow(self, nbytes: int) -> None:
+        """Re-size the forward staging for a forward larger than ``allocate`` planned.
+
+        Only writers and commit passes can get here (a draft depth stages at most
+        ``max_requests`` tokens), never the draft loop. Waits for every in-flight copy
+        from the old slots first; plans built on the old buffers are retired by
+        bumping ``_generation``, which every plan key carries.
+        """
+        for fence in self._forward_ring.fences:
+            fence.wait()
+        ring = self._forward_ring
+        self._forward_ring = StagingRing(nbytes, ring.num_slots, self.device,
+                                         self._fence_factory)
+        self._device_stage = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+        self._generation += 1
 
     def _prefix(self, name: str, tensor: Tensor, start: int, stop: int) -> Tensor:
         return self._slices.get((name, start, stop), lambda: tensor[start:stop])
 
-    def _shadow(self, target: ViewTarget, tokens: int, requests: int):
+    def _shadow(self, target: ViewTarget, tokens: int, requests: Optional[int]):
         """Acquire a forward slot; return ``(slot, layout, numpy fields)``."""
         key = ("layout", tokens, requests)
         layout = target.plans.get(key)
         if layout is None:
             layout = self._shadow_layout([t.dtype for t in target.tensors], tokens,
                                          requests, target.width)
-            if layout.nbytes > self._forward_ring.slot_bytes:
-                raise ValueError(f"forward of {tokens} tokens / {requests} requests needs "
-                                 f"{layout.nbytes} staging bytes > "
-                                 f"{self._forward_ring.slot_bytes}; raise "
-                                 "allocate(device, max_tokens=...)")
             target.plans[key] = layout
+        if layout.nbytes > self._forward_ring.slot_bytes:
+            self._grow(layout.nbytes)
         slot = self._forward_ring.acquire()
-        fields_key = ("fields", slot, tokens, requests)
+        fields_key = ("fields", self._generation, slot, tokens, requests)
         fields = target.plans.get(fields_key)
         if fields is None:
             fields = layout.numpy_fields(self._forward_ring.host_np[slot])
@@ -152,33 +167,35 @@ class MirrorBackend:
         plans = target.plans
         if len(plans) > 4096:  # bound the cache on workloads of ever-new shapes
             plans.clear()
-        h2d = self._cached(plans, ("h2d", slot, layout.nbytes), lambda: (
+        generation = self._generation
+        h2d = self._cached(plans, ("h2d", generation, slot, layout.nbytes), lambda: (
             self._device_stage[:layout.nbytes],
             self._forward_ring.slots[slot][:layout.nbytes]))
         h2d[0].copy_(h2d[1], non_blocking=True)
         self._forward_ring.release(slot)
-        staged = self._cached(plans, ("staged", layout),
+        staged = self._cached(plans, ("staged", generation, layout),
                               lambda: layout.tensor_fields(self._device_stage))
         view = target.tensors
         buffers = self.buffers
         parts = [
-            self._cached(plans, ("padded_tokens", layout, tokens), lambda: _pair_copies(
+            self._cached(plans, ("padded_tokens", generation, layout, tokens), lambda: _pair_copies(
                 view[1], view[2], staged[1], staged[2], tokens)),
-            self._cached(plans, ("real_tokens", layout, real_tokens), lambda: _pair_copies(
+            self._cached(plans, ("real_tokens", generation, layout, real_tokens), lambda: _pair_copies(
                 view[3], view[4], staged[3], staged[4], real_tokens) + (
                 [(view[0][:real_tokens], staged[0][:real_tokens])] if real_tokens else [])),
-            self._cached(plans, ("requests", layout, requests), lambda: [] if not requests
+            self._cached(plans, ("requests", generation, layout, requests), lambda: []
+                         if requests is None
                          else _pair_copies(view[5], view[6], staged[5], staged[6], requests)
                          + _pair_copies(view[7], view[8], staged[7], staged[8], requests + 1)
                          + [(view[9][:requests], staged[9])]),
         ]
         if to_lengths == "pair":
-            parts.append(self._cached(plans, ("pair", layout, lengths_count),
+            parts.append(self._cached(plans, ("pair", generation, layout, lengths_count),
                                       lambda: _pair_copies(buffers.query_lengths,
                                                            buffers.kv_lengths, staged[5],
                                                            staged[6], lengths_count)))
         elif to_lengths == "query" and lengths_count:
-            parts.append(self._cached(plans, ("query", layout, lengths_count), lambda: [(
+            parts.append(self._cached(plans, ("query", generation, layout, lengths_count), lambda: [(
                 buffers.query_lengths[:lengths_count], staged[5][:lengths_count])]))
         for part in parts:
             for dst, src in part:
@@ -348,11 +365,11 @@ class MirrorBackend:
     def write_token_maps(self, target: ViewTarget, rows: np.ndarray,
                          positions: np.ndarray, table: np.ndarray,
                          inherited: Optional[np.ndarray], padded: int) -> None:
-        slot, layout, fields = self._shadow(target, padded, 0)
+        slot, layout, fields = self._shadow(target, padded, None)
         native.staging.write_token_maps(
             rows, positions, table, _NO_INDEX if inherited is None else inherited,
             inherited is not None, padded, self.block_size, self.dummy, *fields[:5])
-        self._flush(target, slot, layout, padded, positions.shape[0], 0, "", 0)
+        self._flush(target, slot, layout, padded, positions.shape[0], None, "", 0)
 
     def write_mha_metadata(self, target: ViewTarget, query_lengths: np.ndarray,
                            kv_lengths: np.ndarray, count: int, table: np.ndarray,

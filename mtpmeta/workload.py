@@ -45,6 +45,11 @@ class StepConfig:
     resets: int = 16
     hidden_size: int = 64
 
+    def __post_init__(self) -> None:
+        if self.active + 1 > self.max_requests:
+            raise ValueError(f"StepConfig: active {self.active} + 1 prefill request > "
+                             f"max_requests {self.max_requests}")
+
     @property
     def dummy_block(self) -> int:
         return self.max_requests * self.block_columns  # one past the real block ids

@@ -1,0 +1,11 @@
+"""The draft loop: begin_decode, depths x (setup_decode_step + advance), end_forward."""
+
+from mtpmeta.workload import run_draft
+
+from .common import StepFixture
+
+
+class TimeDraftLoop(StepFixture):
+    def time_draft_loop(self, impl, active, depths):
+        for inputs in self.steps:
+            run_draft(self.meta, self.view, inputs, self.config)
