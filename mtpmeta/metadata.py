@@ -24,7 +24,7 @@ from .errors import (
 )
 from .gpu_view import ViewCache, ViewTarget
 from .inputs import as_count, as_host_ints, as_row_indices, is_device_tensor
-from .types import ForwardShape, MTPForwardMode
+from .types import ForwardRecord, ForwardShape, MTPForwardMode
 
 __all__ = ["MTPMetadata"]
 
@@ -98,6 +98,8 @@ class MTPMetadata:
         self._prefill_views: Dict[int, Tensor] = {}
         self._active_views: Dict[int, Tuple[Tensor, Tensor, Tuple[Tensor, Tensor]]] = {}
         self._active_lengths: Optional[Tuple[Tensor, Tensor]] = None
+        # The last view-writing call, for check_invariants (None before any).
+        self.last_forward: Optional[ForwardRecord] = None
 
     # ----------------------------------------------------------------- properties
     @property
@@ -215,6 +217,7 @@ class MTPMetadata:
         self._views.clear()
         self._prefill_views = {}
         self._active_views = {}
+        self.last_forward = None
         self.invalidate_chunk_boundary()
 
     def deallocate(self) -> None:
@@ -225,6 +228,7 @@ class MTPMetadata:
         self._views.clear()
         self._prefill_views = {}
         self._active_views = {}
+        self.last_forward = None
         self.forward_mode = MTPForwardMode.NONE
         self.invalidate_chunk_boundary()
 
@@ -509,6 +513,7 @@ class MTPMetadata:
                 raise ValueError(f"active_offsets: negative position {low}")
             self._check_block_column("active_offsets", high)
         max_kv = backend.decode_step(target, count, padded, self.graphed)
+        self.last_forward = ForwardRecord("decode", gpu_view, count, padded, count, padded)
         return ForwardShape(
             token_count=count, padded_token_count=padded, request_count=count,
             padded_request_count=padded, max_seqlen_q=1 if count else 0,
@@ -627,6 +632,8 @@ class MTPMetadata:
             target, counts, starts, table, inherited, padded_tokens, pad, min_padded,
             padded_requests)
         self.forward_mode = MTPForwardMode.COMMIT
+        self.last_forward = ForwardRecord("commit", gpu_view, int(total), padded_tokens,
+                                          staged, padded_requests, inherited)
         return ForwardShape(
             token_count=int(total), padded_token_count=padded_tokens, request_count=staged,
             padded_request_count=padded_requests, max_seqlen_q=int(max_len),
@@ -686,6 +693,8 @@ class MTPMetadata:
             padded = self._padded_tokens(padded_token_count, count, target)
             backend.write_token_maps_device(target, rows, positions, block_table,
                                             inherited_blocks, padded)
+            self.last_forward = ForwardRecord("tokens", gpu_view, count, padded, 0, 0,
+                                              inherited_blocks)
             return
         rows_np = as_host_ints(rows, "rows")
         positions_np = as_host_ints(positions, "positions")
@@ -707,6 +716,7 @@ class MTPMetadata:
                                     columns)
         backend.check_token_capacity(padded)
         backend.write_token_maps(target, rows_np, positions_np, table, inherited, padded)
+        self.last_forward = ForwardRecord("tokens", gpu_view, count, padded, 0, 0, inherited)
 
     def _padded_tokens(self, padded_token_count: Any, count: int,
                        target: ViewTarget) -> int:
@@ -772,6 +782,7 @@ class MTPMetadata:
             padded = self._padded_requests(padded_request_count, count, target)
             backend.write_mha_metadata_device(target, query_lengths, kv_lengths, count,
                                               block_table, padded)
+            self.last_forward = ForwardRecord("mha", gpu_view, 0, 0, count, padded)
             return
         q = as_host_ints(query_lengths, "query_lengths")
         kv = q if kv_lengths is query_lengths else as_host_ints(kv_lengths, "kv_lengths")
@@ -785,6 +796,7 @@ class MTPMetadata:
                                  f"{bad}")
         padded = self._padded_requests(padded_request_count, count, target)
         backend.write_mha_metadata(target, q, kv, count, table, padded)
+        self.last_forward = ForwardRecord("mha", gpu_view, 0, 0, count, padded)
 
     def _check_mha_shapes(self, target: ViewTarget, count: int, kv_count: int,
                           table_shape: Tuple[int, ...]) -> None:

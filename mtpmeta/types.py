@@ -7,7 +7,7 @@ import enum
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["MTPForwardMode", "ForwardShape"]
+__all__ = ["MTPForwardMode", "ForwardShape", "ForwardRecord"]
 
 
 class MTPForwardMode(enum.Enum):
@@ -44,3 +44,23 @@ class ForwardShape:
     padded_request_count: int
     max_seqlen_q: int
     max_seqlen_k: Optional[int]
+
+
+@dataclass(frozen=True)
+class ForwardRecord:
+    """What the last view-writing call did, kept for ``check_invariants``.
+
+    ``kind`` is ``"decode"`` (setup_decode_step), ``"commit"`` (setup_commit_pass),
+    ``"tokens"`` (write_token_maps) or ``"mha"`` (write_mha_metadata). Token/request
+    counts not written by that call are 0. ``inherited`` is the inherited-block count per
+    request row the call redirected with (a reference to the caller's host array, not a
+    copy), or None.
+    """
+
+    kind: str
+    gpu_view: object
+    token_count: int
+    padded_token_count: int
+    request_count: int
+    padded_request_count: int
+    inherited: Optional[object] = None
