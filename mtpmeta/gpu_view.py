@@ -189,7 +189,9 @@ class ViewCache:
         self._capacity = capacity
         self._entries: Dict[int, Tuple[weakref.ReferenceType | Any, ViewTarget]] = {}
 
-    def resolve(self, gpu_view: Any) -> ViewTarget:
+    def resolve(self, gpu_view: Any, accept: Any = None) -> ViewTarget:
+        """The cached target of ``gpu_view``; a new one is built, passed to ``accept``
+        (which may raise) and cached when the view is new or its fields were rebound."""
         entry = self._entries.get(id(gpu_view))
         if entry is not None:
             ref, target = entry
@@ -197,6 +199,8 @@ class ViewCache:
             if owner is gpu_view and target.still_matches(gpu_view):
                 return target
         target = ViewTarget(gpu_view)
+        if accept is not None:
+            accept(target)
         if len(self._entries) >= self._capacity:
             self._entries.pop(next(iter(self._entries)))
         try:

@@ -28,16 +28,19 @@ __all__ = [
 
 RowIndex = Union[slice, np.ndarray]
 _FAST_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
+_FAST_TORCH = (torch.int32, torch.int64)
 
 
 def is_device_tensor(value: Any) -> bool:
     """True for a torch tensor that is not in host memory."""
-    return isinstance(value, torch.Tensor) and value.device.type != "cpu"
+    return isinstance(value, torch.Tensor) and not value.is_cpu
 
 
 def as_count(value: Any, name: str, *, low: int = 0, high: int | None = None,
              high_name: str = "") -> int:
     """An integer in ``[low, high]``; raises ValueError naming ``name`` and the bound."""
+    if type(value) is int and value >= low and (high is None or value <= high):
+        return value  # the hot path
     if isinstance(value, bool) or isinstance(value, float):
         raise InvalidDtypeError(f"{name}: expected an integer, got {value!r}")
     try:
@@ -94,6 +97,9 @@ def as_host_ints(value: Any, name: str, *, ndim: int = 1) -> np.ndarray:
     Accepts numpy arrays, CPU or device torch tensors (a device tensor costs a sync, so
     callers route those to device ops instead), and Python sequences.
     """
+    if type(value) is torch.Tensor and value.is_cpu and value.dtype in _FAST_TORCH \
+            and value.dim() == ndim and value.is_contiguous():
+        return value.numpy()  # the hot path: a contiguous int32/int64 CPU tensor
     array = _numpy_of(value, name)
     if array.ndim != ndim:
         raise ValueError(f"{name}: expected a {ndim}-D array of integers, got shape "

@@ -98,6 +98,7 @@ class MTPMetadata:
         self._prefill_views: Dict[int, Tensor] = {}
         self._active_views: Dict[int, Tuple[Tensor, Tensor, Tuple[Tensor, Tensor]]] = {}
         self._active_lengths: Optional[Tuple[Tensor, Tensor]] = None
+        self._decode_shapes: Dict[Tuple[int, int, Optional[int]], ForwardShape] = {}
         # The last view-writing call, for check_invariants (None before any).
         self.last_forward: Optional[ForwardRecord] = None
 
@@ -330,8 +331,13 @@ class MTPMetadata:
                              f"{tuple(hidden.shape)}), expected hidden_size "
                              f"{self.hidden_size}")
         target = self._buffers.chunk_boundary_hidden
-        with torch.no_grad():  # never let the persistent buffer join an autograd graph
-            target.copy_(hidden.reshape(target.shape), non_blocking=True)
+        # [H], [1, H] and [1, 1, H] broadcast into the buffer as they are; other shapes
+        # with H elements are reshaped first.
+        source = hidden if hidden.shape[-1:] == target.shape[-1:] and hidden.dim() <= 3 \
+            else hidden.reshape(target.shape)
+        if source.requires_grad:
+            source = source.detach()  # never let the persistent buffer join a graph
+        target.copy_(source, non_blocking=True)
         native.carry.record(self._carry_state, req_id, position)
 
     def take_chunk_boundary(self, req_id: int, seam_position: int) -> Tensor:
@@ -514,10 +520,17 @@ class MTPMetadata:
             self._check_block_column("active_offsets", high)
         max_kv = backend.decode_step(target, count, padded, self.graphed)
         self.last_forward = ForwardRecord("decode", gpu_view, count, padded, count, padded)
-        return ForwardShape(
-            token_count=count, padded_token_count=padded, request_count=count,
-            padded_request_count=padded, max_seqlen_q=1 if count else 0,
-            max_seqlen_k=int(max_kv) if backend.host_offsets_known else None)
+        key = (count, padded, max_kv if backend.host_offsets_known else None)
+        shape = self._decode_shapes.get(key)
+        if shape is None:  # shapes repeat step after step: build each once
+            if len(self._decode_shapes) > 4096:
+                self._decode_shapes.clear()
+            shape = ForwardShape(
+                token_count=count, padded_token_count=padded, request_count=count,
+                padded_request_count=padded, max_seqlen_q=1 if count else 0,
+                max_seqlen_k=None if key[2] is None else int(key[2]))
+            self._decode_shapes[key] = shape
+        return shape
 
     # --------------------------------------------------------------- commit pass
     def stage_prefill_lengths(self, append_counts: Tensor, pad_tokens: int) -> Tensor:
@@ -651,11 +664,12 @@ class MTPMetadata:
 
     # -------------------------------------------------------------------- writers
     def _target(self, gpu_view: Any) -> ViewTarget:
-        target = self._views.resolve(gpu_view)
+        return self._views.resolve(gpu_view, self._accept_view)
+
+    def _accept_view(self, target: ViewTarget) -> None:
         if target.device != self.device:
             raise ValueError(f"gpu_view: fields on {target.device}, but buffers were "
                              f"allocated on {self.device}")
-        return target
 
     @staticmethod
     def _check_view_capacity(target: ViewTarget, *, tokens: int = 0,

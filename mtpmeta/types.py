@@ -46,7 +46,7 @@ class ForwardShape:
     max_seqlen_k: Optional[int]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ForwardRecord:
     """What the last view-writing call did, kept for ``check_invariants``.
 

@@ -131,3 +131,30 @@ def test_pinned_staging_survives_slow_stream_and_rapid_restaging():
     torch.cuda.synchronize()
     for i in range(rounds):
         assert torch.equal(snapshots[i, :, :40].cpu(), expected[i][:, :40].cpu()), i
+
+
+def test_device_tensor_inputs_match_reference_on_cuda():
+    """Writers fed CUDA tensors (as upstream call sites do) take the device-op route
+    and give the reference's results, with no sync."""
+    meta, view, ref, ref_view = _pair()
+    generator = torch.Generator().manual_seed(15)
+    limit = CONFIG.block_columns * CONFIG.block_size
+    table = torch.randint(0, 1000, (CONFIG.max_requests, CONFIG.block_columns),
+                          generator=generator, dtype=torch.int32).to(CUDA)
+    rows = torch.randint(0, CONFIG.max_requests, (40,), generator=generator).to(CUDA)
+    positions = torch.randint(0, limit, (40,), generator=generator).to(CUDA)
+    inherited = torch.randint(0, 3, (CONFIG.max_requests,), generator=generator).to(CUDA)
+    lengths = torch.randint(1, 9, (CONFIG.active,), generator=generator,
+                            dtype=torch.int32).to(CUDA)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        meta.write_token_maps(view, rows, positions, table, 48, inherited)
+        meta.write_mha_metadata(view, lengths, lengths, table[:CONFIG.active - 2],
+                                CONFIG.active + 4)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ref.write_token_maps(ref_view, rows, positions, table, 48, inherited)
+    ref.write_mha_metadata(ref_view, lengths, lengths, table[:CONFIG.active - 2],
+                           CONFIG.active + 4)
+    _assert_views_equal(view, ref_view)

@@ -1,0 +1,123 @@
+"""Device-tensor inputs on the mirror path.
+
+Upstream call sites pass some inputs already on the device; the mirror path then uses
+device ops instead of host staging. On a CPU-only machine a CPU tensor is "on the
+device" of a CPU-forced mirror object, so these tests route every torch tensor input
+to the device-op code (by patching the router's predicate) and compare the results with
+the reference. Failure story: the device-op route drifts from the host route, or sends
+a bad column to a real block, and only GPU users see it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import mtpmeta.metadata as metadata_module
+from tests.helpers import (assert_buffers_equal, assert_views_equal, make_metadata,
+                           make_reference, make_views)
+
+
+@pytest.fixture
+def device_route(monkeypatch):
+    """Treat every torch tensor as a device tensor inside MTPMetadata's routing."""
+    monkeypatch.setattr(metadata_module, "is_device_tensor",
+                        lambda value: isinstance(value, torch.Tensor))
+
+
+def _pair():
+    meta = make_metadata("mirror")
+    ref = make_reference()
+    view, ref_view = make_views(meta, max_tokens=64)
+    return meta, ref, view, ref_view
+
+
+def _table(rng, meta, dtype=torch.int32):
+    return torch.tensor(rng.integers(0, 500, (meta.max_requests, meta.max_kv_block_count)),
+                        dtype=dtype)
+
+
+@pytest.mark.parametrize("with_inherited", [False, True])
+def test_device_token_maps_match_reference(device_route, rng, with_inherited):
+    meta, ref, view, ref_view = _pair()
+    limit = meta.max_kv_block_count * meta.block_size_tokens
+    for _ in range(20):
+        T = int(rng.integers(0, 20))
+        rows = torch.tensor(rng.integers(0, meta.max_requests, T), dtype=torch.int64)
+        positions = torch.tensor(rng.integers(0, limit, T), dtype=torch.int32)
+        table = _table(rng, meta)
+        inherited = torch.tensor(rng.integers(0, 4, meta.max_requests), dtype=torch.int32) \
+            if with_inherited else None
+        padded = T + int(rng.integers(0, 8))
+        meta.write_token_maps(view, rows, positions, table, padded, inherited)
+        ref.write_token_maps(ref_view, rows, positions, table, padded, inherited)
+        assert_views_equal(view, ref_view)
+
+
+def test_device_token_maps_send_out_of_table_columns_to_the_dummy_block(device_route):
+    """Device values cannot be checked without a sync; a column beyond the table must
+    then land in the dummy block, never in a real block of another column."""
+    meta, _, view, _ = _pair()
+    table = torch.arange(meta.max_requests * meta.max_kv_block_count,
+                         dtype=torch.int32).view(meta.max_requests, -1)
+    too_far = meta.max_kv_block_count * meta.block_size_tokens + 1
+    meta.write_token_maps(view, torch.tensor([0, 1]), torch.tensor([too_far, -3]), table, 2)
+    assert view.token_to_block_idx[:2].tolist() == [meta.dummy_block_idx] * 2
+
+
+def test_device_mha_metadata_matches_reference(device_route, rng):
+    meta, ref, view, ref_view = _pair()
+    for _ in range(20):
+        n = int(rng.integers(0, meta.max_requests + 1))
+        q = torch.tensor(rng.integers(0, 9, n), dtype=torch.int32)
+        kv = q if rng.integers(0, 2) else torch.tensor(rng.integers(0, 30, n),
+                                                       dtype=torch.int32)
+        rows = int(rng.integers(0, n + 1))
+        table = _table(rng, meta)[:rows]
+        padded = int(rng.integers(n, meta.max_requests + 1))
+        meta.write_mha_metadata(view, q, kv, table, padded)
+        ref.write_mha_metadata(ref_view, q, kv, table, padded)
+        assert_views_equal(view, ref_view)
+
+
+@pytest.mark.parametrize("count,pad", [(3, 0), (3, 5), (8, 5), (0, 2)])
+def test_device_prefill_lengths_match_reference(device_route, rng, count, pad):
+    meta, ref, _, _ = _pair()
+    counts = torch.tensor(rng.integers(0, 9, count), dtype=torch.int32)
+    ours = meta.stage_prefill_lengths(counts, pad)
+    theirs = ref.stage_prefill_lengths(counts, pad)
+    assert torch.equal(ours, theirs)
+    assert_buffers_equal(meta, ref)
+
+
+@pytest.mark.parametrize("graphed", [False, True])
+def test_device_begin_decode_runs_the_draft_loop_on_device_ops(device_route, rng, graphed):
+    """start_positions on the device: the host has no offsets copy, so the depth is
+    computed by device ops and ForwardShape.max_seqlen_k is None."""
+    meta, ref, view, ref_view = _pair()
+    n, padded = 5, 7
+    starts = torch.tensor(rng.integers(0, 12, meta.max_requests), dtype=torch.int32)
+    table = _table(rng, meta)
+    meta.begin_decode(n, padded, starts, table, graphed)
+    ref.begin_decode(n, padded, starts, table, graphed)
+    assert_buffers_equal(meta, ref)
+    for _ in range(3):
+        shape = meta.setup_decode_step(view)
+        expected = ref.setup_decode_step(ref_view)
+        assert shape.max_seqlen_k is None
+        assert (shape.token_count, shape.padded_token_count) == \
+            (expected.token_count, expected.padded_token_count)
+        assert_views_equal(view, ref_view)
+        assert_buffers_equal(meta, ref)
+        meta.advance_decode_step()
+        ref.advance_decode_step()
+    assert torch.equal(starts[:n] + 3, meta.offsets[:n])
+
+
+def test_device_inputs_on_another_device_are_refused(rng):
+    """A tensor on a device other than the buffers' is a clear ValueError."""
+    meta, _, view, _ = _pair()
+    meta_device = torch.empty(4, device="meta", dtype=torch.int32)
+    with pytest.raises(ValueError, match="start_positions"):
+        meta.begin_decode(2, 2, meta_device, _table(rng, meta), False)
