@@ -95,6 +95,10 @@ def make_steps(config: StepConfig = StepConfig(), steps: int = 8,
     rng = np.random.default_rng(seed)
     R, W, BS = config.max_requests, config.block_columns, config.block_size
     n = config.active
+    # Row compaction never needs more distinct rows than the table has.
+    moves = min(config.moves, R // 4)
+    swaps = min(config.swaps, R // 8)
+    resets = min(config.resets, R)
     out = []
     for step in range(steps):
         rows = rng.permutation(R)
@@ -112,11 +116,11 @@ def make_steps(config: StepConfig = StepConfig(), steps: int = 8,
         total = int(counts.sum())
         padded_tokens = -(-total // config.tp) * config.tp
         out.append(StepInputs(
-            move_src=rows[:config.moves].copy(),
-            move_dst=rows[config.moves:2 * config.moves].copy(),
-            swap_src=rows[2 * config.moves:2 * config.moves + config.swaps].copy(),
-            swap_dst=rows[-config.swaps:].copy(),
-            reset_rows=rng.choice(R, size=config.resets, replace=False),
+            move_src=rows[:moves].copy(),
+            move_dst=rows[moves:2 * moves].copy(),
+            swap_src=rows[2 * moves:2 * moves + swaps].copy(),
+            swap_dst=rows[R - swaps:].copy(),
+            reset_rows=rng.choice(R, size=resets, replace=False),
             hidden=torch.from_numpy(rng.standard_normal(config.hidden_size)
                                     .astype(np.float32)),
             carry_req_id=1000 + step,
