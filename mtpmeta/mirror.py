@@ -395,8 +395,9 @@ class MirrorBackend:
             if inherited is not None:
                 redirect = redirect | (columns < inherited[rows_long])
             block[:count].copy_(blocks.masked_fill(redirect, self.dummy))
-            torch.remainder(positions, self.block_size, out=local[:count]) \
-                if local.dtype == positions.dtype else \
+            if local.dtype == positions.dtype:
+                torch.remainder(positions, self.block_size, out=local[:count])
+            else:
                 local[:count].copy_(torch.remainder(positions, self.block_size))
             request[:count].copy_(rows)
             position[:count].copy_(positions)
