@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from hypothesis import HealthCheck, event, given, settings
 
-from tests._pair_draft import VIEW, Arg, DifferentialPair, Own  # DEV
+from tests.helpers import VIEW, Arg, DifferentialPair, Own
 
 SETTINGS = dict(deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture,
@@ -209,7 +209,8 @@ def prefill_args(draw, g: Geometry):
     """(append_counts, pad_tokens), hitting spare-slot and full-batch absorption."""
     P = draw(edge_count(0, g.R))
     pad = draw(st.sampled_from([0, draw(st.integers(1, 12))]))
-    event("prefill: " + ("no pad" if pad == 0 else "spare slot" if P < g.R else "full batch"))
+    event("prefill: " + ("no pad" if pad == 0 else
+                         "spare slot" if P < g.R else "full batch"))
     return draw(ints(draw(int_list(P, 0, 20)))), pad
 
 
@@ -254,7 +255,8 @@ def test_chunk_carry_take_matches_reference_for_right_and_wrong_keys(path, data)
     pair = new_pair(data, path, g)
     keys = None
     for _ in range(data.draw(st.integers(3, 10), label="ops")):
-        op = data.draw(st.sampled_from(["carry", "take", "wrong", "invalidate"]), label="op")
+        op = data.draw(st.sampled_from(["carry", "take", "wrong", "invalidate"]),
+                       label="op")
         if op == "carry":
             keys = (data.draw(st.integers(0, 5)), data.draw(st.integers(0, 40)))
             pair.call("carry_chunk_boundary", data.draw(hidden(g)), *keys)
@@ -265,7 +267,8 @@ def test_chunk_carry_take_matches_reference_for_right_and_wrong_keys(path, data)
             keys = None
             pair.call("invalidate_chunk_boundary")
         else:  # a wrong request or seam, or no live carry at all
-            req, seam = keys or (data.draw(st.integers(0, 5)), data.draw(st.integers(0, 40)))
+            req, seam = keys or (data.draw(st.integers(0, 5)),
+                                 data.draw(st.integers(0, 40)))
             if keys is not None:
                 req, seam = data.draw(st.sampled_from([(req + 1, seam), (req, seam + 1),
                                                        (req, seam - 1), (req + 2, seam)]))
@@ -276,7 +279,7 @@ def test_chunk_carry_take_matches_reference_for_right_and_wrong_keys(path, data)
 @given(data=st.data())
 def test_direct_writer_calls_match_reference(path, data):
     """``write_token_maps``, ``write_mha_metadata`` and ``stage_prefill_lengths`` called
-    directly with random valid inputs (lists, numpy, tensors, int32/int64, strided) write
+    directly with random valid inputs (lists, numpy, tensors, int32/int64, any layout) write
     exactly what the reference writes and nothing past the padded counts; a stray pad-row
     write would send a padded token into a real KV block."""
     g = data.draw(geometries, label="geometry")

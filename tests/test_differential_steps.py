@@ -13,13 +13,13 @@ import hypothesis.strategies as st
 import torch
 from hypothesis import event, given, settings
 
-from tests._pair_draft import VIEW  # DEV
+from tests.helpers import VIEW
 from tests.test_differential import (
     OWN_ANNOTATIONS,
     SETTINGS,
-    edge_count,
     Geometry,
     annotate,
+    edge_count,
     geometries,
     hidden,
     int_list,
@@ -56,8 +56,8 @@ def draft_inputs(draw, g: Geometry, *, cross: bool = False):
         if n + extra <= 32 else [False] * (n + extra), draw(int_list(n + extra, 0, limit)))]
     if cross:
         starts[0] = draw(boundary)
-    event("draft: block-boundary crossing" if any(
-        s // g.BS != (s + depths - 1) // g.BS for s in starts[:n]) else "draft: no crossing")
+    crossing = any(s // g.BS != (s + depths - 1) // g.BS for s in starts[:n])
+    event(f"draft: block-boundary crossing={crossing}")
     padded = draw(edge_count(n, g.R))
     event(f"draft: request padding={padded > n}")
     rows = n + draw(st.integers(0, g.R - n))
@@ -106,13 +106,14 @@ def commit_inputs(draw, g: Geometry, *, P=None, pad=None, starts=None, inherited
     pad_tokens = kwargs.get("padded_token_count", T) - T
     event("commit: " + ("no pad" if not pad_tokens else
                         "spare-slot absorption" if P < g.R else "full-batch absorption"))
+    event(f"commit: request padding={kwargs.get('padded_request_count', P) > P}, "
+          f"inherited={want_inherited}, starts={use_starts}")
     tab = draw(table(g, P + draw(st.integers(0, 2))))
     counts_arg = draw(ints(counts))
     return counts_arg, tab, kwargs
 
 
-def draft_loop(pair, data, g: Geometry, *, capture=False, cross=False,
-               stage=True) -> None:
+def draft_loop(pair, data, g: Geometry, *, capture=False, cross=False) -> None:
     """begin (or capture) -> depths x (setup_decode_step, advance) -> end_forward."""
     if capture:
         pair.call("begin_decode_for_capture", data.draw(st.integers(0, g.R),
@@ -126,7 +127,7 @@ def draft_loop(pair, data, g: Geometry, *, capture=False, cross=False,
     for _ in range(depths):
         pair.call("setup_decode_step", VIEW)
         pair.call("advance_decode_step")
-    if stage and data.draw(st.booleans(), label="stage lengths directly"):
+    if data.draw(st.booleans(), label="stage lengths directly"):
         pair.call("stage_decode_lengths")
     pair.call("end_forward")
 
@@ -296,7 +297,7 @@ def test_interleaved_scheduler_sequences_match_reference(path, data):
     calls), commit passes, direct writer calls and suspend/resume cycles. State carried
     from one operation into the next (offsets advanced past a commit pass, a carry that
     survives row moves, query_lengths shared by decode and prefill staging) must evolve
-    identically on both sides; any divergence is reported at the first call that shows it."""
+    identically on both sides; a divergence is reported at the first call showing it."""
     g = data.draw(geometries, label="geometry")
     pair = new_pair(data, path, g)
     run_sequence(pair, data, g, data.draw(st.integers(20, 40), label="ops"))
@@ -318,9 +319,10 @@ def test_suspend_resume_mid_sequence_gives_fresh_state_on_both_sides(path, data)
 @settings(max_examples=6, **SETTINGS)
 @given(data=st.data())
 def test_interleaved_sequences_match_reference_at_a_larger_geometry(path, data):
-    """The same sequences at a production-like width (64 requests, 32 block columns of
-    16 tokens, int64 tables): catches int32 overflow in block/slot arithmetic and any
-    size-dependent fast path the small geometries never reach."""
+    """The same sequences at a production-like size (64 requests, 32 block columns of
+    16 tokens, int64 tables, a 32k-token view): catches any size-dependent path the
+    small geometries never reach (staging sized from defaults, cached plans, chunked
+    loops), where a forward would silently be cut short or rejected."""
     g = Geometry(R=64, W=32, BS=16, table_dtype=torch.int64, H=64)
     pair = new_pair(data, path, g)
     run_sequence(pair, data, g, data.draw(st.integers(8, 16), label="ops"))
