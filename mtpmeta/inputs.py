@@ -59,6 +59,8 @@ def _numpy_of(value: Any, name: str) -> np.ndarray:
     if isinstance(value, np.ndarray):
         return value
     if isinstance(value, torch.Tensor):
+        if value.device.type == "meta":
+            raise ValueError(f"{name}: a meta tensor holds no data")
         if value.device.type != "cpu":
             # Documented sync: a device tensor given where host data is needed.
             value = value.cpu()
@@ -123,7 +125,11 @@ def as_row_indices(value: Any, num_rows: int, name: str) -> RowIndex:
     if isinstance(value, slice):
         return value
     if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-        rows = np.asarray([value], dtype=np.int64)
+        row = int(value)
+        if not -num_rows <= row < num_rows:
+            raise IndexError(f"{name}: row index {row} out of range for max_requests "
+                             f"{num_rows} (valid: -{num_rows} <= row < {num_rows})")
+        return np.asarray([row], dtype=np.int64)
     else:
         array = _numpy_of(value, name)
         if array.dtype == np.bool_:

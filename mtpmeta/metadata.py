@@ -30,6 +30,8 @@ __all__ = ["MTPMetadata"]
 
 Indices = Union[slice, int, Tensor, np.ndarray, Any]
 _TOKEN_CODES = native.staging
+INT32_LIMIT = 2**31  # lengths and token indices are int32 in the view
+INT64_MAX = 2**63 - 1
 
 
 def _is_int_dtype(dtype: torch.dtype) -> bool:
@@ -192,12 +194,17 @@ class MTPMetadata:
         """
         if not self.enabled:
             return
-        device = torch.device(device)
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError, ValueError) as error:
+            raise ValueError(f"allocate: device {device!r} is not a torch device "
+                             f"({error})") from None
         if mirror is None:
             mirror = device.type != "cpu"
         elif not mirror and device.type != "cpu":
             raise ValueError(f"allocate: mirror=False needs a CPU device, got {device}")
-        as_count(max_tokens, "max_tokens", low=1)
+        as_count(max_tokens, "max_tokens", low=1, high=INT32_LIMIT - 1,
+                 high_name="int32 token index limit")
         buffers = PersistentBuffers.allocate(
             max_requests=self.max_requests, max_kv_block_count=self.max_kv_block_count,
             dummy_block_idx=self.dummy_block_idx, block_table_dtype=self.block_table_dtype,
@@ -319,10 +326,16 @@ class MTPMetadata:
         if not self.enabled:
             return
         self._require("carry_chunk_boundary")
-        req_id = as_count(req_id, "req_id")
-        position = as_count(position, "position")
+        req_id = as_count(req_id, "req_id", high=INT64_MAX, high_name="int64 max")
+        position = as_count(position, "position", high=INT64_MAX, high_name="int64 max")
         if not isinstance(hidden, torch.Tensor):
-            hidden = torch.as_tensor(hidden)
+            try:
+                hidden = torch.as_tensor(hidden)
+            except (RuntimeError, TypeError, ValueError) as error:
+                raise InvalidDtypeError(f"hidden: expected a tensor with hidden_size "
+                                        f"{self.hidden_size} elements ({error})") from None
+        if hidden.device.type == "meta":
+            raise ValueError("hidden: a meta tensor holds no data to carry")
         if not hidden.dtype.is_floating_point:
             raise InvalidDtypeError(f"hidden: dtype {hidden.dtype} is not a floating dtype "
                                     f"(expected {self.hidden_dtype})")
@@ -350,8 +363,10 @@ class MTPMetadata:
         if self.enabled and self._buffers is None:
             raise NotAllocatedError("take_chunk_boundary: buffers are not allocated; call "
                                     "allocate(device) first")
-        req_id = as_count(req_id, "req_id", low=-2**63)
-        seam_position = as_count(seam_position, "seam_position", low=-2**63)
+        req_id = as_count(req_id, "req_id", low=-INT64_MAX - 1, high=INT64_MAX,
+                          high_name="int64 max")
+        seam_position = as_count(seam_position, "seam_position", low=-INT64_MAX - 1,
+                                 high=INT64_MAX, high_name="int64 max")
         code = native.carry.check_take(self._carry_state, req_id, seam_position)
         if code == native.carry.CARRY_NOT_VALID:
             raise ChunkCarryError(
@@ -542,7 +557,8 @@ class MTPMetadata:
         Example: ``[3, 2]``, pad 3 -> ``[3, 2, 3]``; with R = 2 -> ``[3, 5]``.
         """
         backend = self._require("stage_prefill_lengths")
-        pad = as_count(pad_tokens, "pad_tokens")
+        pad = as_count(pad_tokens, "pad_tokens", high=INT32_LIMIT - 1,
+                       high_name="int32 length limit")
         if is_device_tensor(append_counts) and backend.mirror:
             counts = self._check_device_counts(append_counts)
             staged = backend.stage_prefill_lengths_device(counts, pad)
@@ -563,9 +579,10 @@ class MTPMetadata:
         if counts.shape[0] > self.max_requests:
             raise ValueError(f"{name}: {counts.shape[0]} requests > max_requests "
                              f"{self.max_requests}")
-        bad = native.checks.first_negative(counts)
+        bad = native.checks.first_outside(counts, 0, INT32_LIMIT)
         if bad >= 0:
-            raise ValueError(f"{name}: negative count {int(counts[bad])} at index {bad}")
+            kind = "negative count" if counts[bad] < 0 else "count beyond int32"
+            raise ValueError(f"{name}: {kind} {int(counts[bad])} at index {bad}")
         return counts
 
     def _check_device_counts(self, counts: Tensor) -> Tensor:
@@ -804,10 +821,10 @@ class MTPMetadata:
         count = q.shape[0]
         self._check_mha_shapes(target, count, kv.shape[0], tuple(table.shape))
         for name, lengths in (("query_lengths", q), ("kv_lengths", kv)):
-            bad = native.checks.first_negative(lengths)
+            bad = native.checks.first_outside(lengths, 0, INT32_LIMIT)
             if bad >= 0:
-                raise ValueError(f"{name}: negative length {int(lengths[bad])} at index "
-                                 f"{bad}")
+                kind = "negative length" if lengths[bad] < 0 else "length beyond int32"
+                raise ValueError(f"{name}: {kind} {int(lengths[bad])} at index {bad}")
         padded = self._padded_requests(padded_request_count, count, target)
         backend.write_mha_metadata(target, q, kv, count, table, padded)
         self.last_forward = ForwardRecord("mha", gpu_view, 0, 0, count, padded)
@@ -851,3 +868,38 @@ class MTPMetadata:
         count = query_lengths.shape[0]
         self._check_mha_shapes(target, count, kv_lengths.shape[0], tuple(block_table.shape))
         return count
+
+
+# --- debug checks (mtpmeta.invariants) ---
+# Attaches MTPMetadata.check_invariants and, only when MTPMETA_DEBUG=1 at import, wraps
+# the public methods so each call is followed by a check. With the variable unset this
+# costs nothing: no wrapper, and mtpmeta.invariants is imported on first use only.
+def _check_invariants(self: MTPMetadata, gpu_view: Any = None) -> None:
+    """Check this object's invariants and those of the last forward's destination view.
+
+    Raises ``InvariantError`` (an ``AssertionError``, raised explicitly so it holds under
+    ``python -O``) naming the broken invariant and the offending row, token or slot.
+    ``gpu_view`` defaults to the view of ``last_forward``. A debug tool: it reads the
+    buffers and the view back (a sync on CUDA). The list is in ``mtpmeta.invariants``.
+    """
+    from .invariants import check_invariants
+
+    check_invariants(self, gpu_view)
+
+
+_check_invariants.__name__ = "check_invariants"
+_check_invariants.__qualname__ = "MTPMetadata.check_invariants"
+MTPMetadata.check_invariants = _check_invariants  # type: ignore[attr-defined]
+
+
+def _install_debug_checks_from_env() -> None:
+    import os
+
+    if os.environ.get("MTPMETA_DEBUG") == "1":
+        from .invariants import install_debug_checks
+
+        install_debug_checks(MTPMetadata)
+
+
+_install_debug_checks_from_env()
+# --- end debug checks (mtpmeta.invariants) ---

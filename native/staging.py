@@ -146,7 +146,10 @@ def check_commit_inputs(counts, starts, has_starts, max_columns, block_size):
         start = np.int64(starts[r]) if has_starts else np.int64(0)
         if start < 0:
             return NEGATIVE_POSITION, r, 0, 0
-        if count > 0 and (start + count - 1) // block_size >= max_columns:
+        # Bound start and count before adding them, so the sum cannot wrap in int64.
+        limit = np.int64(max_columns) * block_size
+        if count > 0 and (start >= limit or count > limit
+                          or (start + count - 1) // block_size >= max_columns):
             return BLOCK_COLUMN_TOO_LARGE, r, 0, 0
         total += count
         if count > max_count:
