@@ -15,15 +15,6 @@ def first_outside(values, low, high):
 
 
 @njit(cache=True)
-def first_negative(values):
-    """First ``i`` with ``values[i] < 0``, else -1. values: int [K]."""
-    for i in range(values.shape[0]):
-        if values[i] < 0:
-            return i
-    return -1
-
-
-@njit(cache=True)
 def min_max(values, count):
     """``(min, max)`` of ``values[:count]`` as int64; ``(0, -1)`` when count is 0."""
     if count == 0:
