@@ -8,6 +8,7 @@ from .errors import (
     ChunkCarryError,
     ForwardModeError,
     InvalidDtypeError,
+    InvariantError,
     MTPDisabledError,
     NotAllocatedError,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "ChunkCarryError",
     "ForwardModeError",
     "InvalidDtypeError",
+    "InvariantError",
     "MTPDisabledError",
     "NotAllocatedError",
 ]

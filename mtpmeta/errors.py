@@ -36,3 +36,14 @@ class InvalidDtypeError(ValueError, TypeError):
 
 class ForwardModeError(ValueError, RuntimeError):
     """A step entry point was called in the wrong forward mode (e.g. no ``begin_decode``)."""
+
+
+class InvariantError(AssertionError):
+    """A debug check (``MTPMetadata.check_invariants``) found a broken invariant.
+
+    The message names the invariant and the offending row, token or slot. Raised
+    explicitly, so it still fires under ``python -O``.
+    """
+
+
+__all__.append("InvariantError")

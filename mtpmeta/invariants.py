@@ -1,0 +1,344 @@
+"""Debug checks of ``MTPMetadata``'s invariants (``meta.check_invariants(view)``).
+
+A debug tool, not a hot-path one: every check is plain numpy over ``.cpu().numpy()``
+reads of the persistent buffers and of the destination view, so on CUDA it syncs. Each
+check raises ``InvariantError`` explicitly (it still fires under ``python -O``) with a
+message that starts with the invariant's name and names the offending row, token or
+slot, e.g. ``"padded token rows: token 5 (pad rows [3, 6) of the last decode forward)
+has token_to_block_idx 12, expected dummy_block_idx 999"``.
+
+The invariants, in the order they are checked:
+
+- ``forward mode``: a disabled object is NONE and holds no buffers; an unallocated one
+  holds no buffers; DRAFT has active views (prefixes of the buffers, ``n`` long);
+  COMMIT was entered by ``setup_commit_pass``: the last view-writing call is that pass
+  or a writer call made during it (kind commit/tokens/mha), never a draft depth.
+- ``annotations``: ``request_matched_prefix_blocks`` lie in ``[0, W]``.
+- ``draft offsets``: while DRAFT, ``offsets[:n]`` lie in ``[0, W * BS]``. The upper
+  end is inclusive: a loop that drafts into a request's last slot leaves that offset one
+  past it after its final ``advance_decode_step`` (``setup_decode_step`` refuses to
+  write from there).
+- ``padded token rows`` (last forward of kind decode/commit/tokens): token rows
+  ``[T, padded)`` point at ``dummy_block_idx`` with local offset 0.
+- ``padded request slots`` (kinds decode/commit/mha): slots ``[n, padded)`` have zero
+  query and KV lengths, both ``cu_*`` arrays flat at ``cu[n]``, all -1 block rows.
+- ``cu arrays`` (same kinds): ``cu[0] == 0``, non-decreasing over ``[0, padded]``; after
+  a commit pass ``mha_cu_query_seq_lengths[padded]`` is the padded token count.
+- ``inherited blocks`` (a last forward with ``inherited``): no real token whose block
+  column is below its row's inherited count points at a real block.
+
+The view checks read ``gpu_view`` when given, else ``meta.last_forward.gpu_view``; they
+assume the view still holds what the last MTP write put there (a view another writer
+shares must be checked right after the MTP forward). ``last_forward.inherited`` is a
+reference to the caller's array, which the scheduler may legitimately change afterwards
+(a row move of the annotations), so the first check of a record keeps a copy of the
+inherited counts and later checks of that record use the copy.
+
+``install_debug_checks(cls)`` wraps the public methods so each call is followed by a
+check; ``mtpmeta.metadata`` calls it at import when ``MTPMETA_DEBUG=1``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+import types
+import weakref
+from typing import Any, Dict, Optional
+
+import numpy as np
+import torch
+
+from .errors import InvariantError
+from .types import ForwardRecord, MTPForwardMode
+
+__all__ = ["check_invariants", "install_debug_checks", "InvariantError"]
+
+BUFFER_NAMES = ("request_matched_prefix_blocks", "offsets", "block_table", "query_lengths",
+                "kv_lengths", "row_ids", "chunk_boundary_hidden")
+TOKEN_KINDS = ("decode", "commit", "tokens")  # records that wrote token rows
+REQUEST_KINDS = ("decode", "commit", "mha")  # records that wrote request slots
+# Records a COMMIT forward can end on: its pass, or writer calls made during it (the
+# writers run in any mode; setup_decode_step needs DRAFT, so "decode" never follows).
+COMMIT_KINDS = ("commit", "tokens", "mha")
+
+# meta -> (record, _record_key, copy of record.inherited at the record's first check)
+_INHERITED_SEEN: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _fail(invariant: str, detail: str) -> None:
+    raise InvariantError(f"{invariant}: {detail}")
+
+
+def _host(value: Any) -> np.ndarray:
+    """A numpy array of ``value`` (a tensor anywhere, an array or a sequence)."""
+    if isinstance(value, torch.Tensor):
+        return value.cpu().numpy()
+    return np.asarray(value)
+
+
+# ---------------------------------------------------------------------- object state
+def _check_forward_mode(meta: Any) -> bool:
+    """The mode/buffer checks; returns whether the object holds buffers."""
+    mode = meta.forward_mode
+    held = [name for name in BUFFER_NAMES if getattr(meta, name) is not None]
+    if not meta.enabled:
+        if mode is not MTPForwardMode.NONE:
+            _fail("forward mode", f"a disabled object must stay NONE, found {mode.name}")
+        if held or meta.mirror is not None:
+            _fail("forward mode", f"a disabled object must hold no buffers, holds "
+                                  f"{held or ['a backend']}")
+        return False
+    if meta.mirror is None:  # enabled, not allocated (or deallocated)
+        if held:
+            _fail("forward mode", f"an unallocated object must hold no buffers, holds "
+                                  f"{held}")
+    elif len(held) != len(BUFFER_NAMES):
+        missing = sorted(set(BUFFER_NAMES) - set(held))
+        _fail("forward mode", f"an allocated object must hold every buffer, missing "
+                              f"{missing}")
+    if mode is MTPForwardMode.DRAFT:
+        _check_active_views(meta)
+    elif mode is MTPForwardMode.COMMIT:
+        record = meta.last_forward
+        kind = None if record is None else record.kind
+        if kind not in COMMIT_KINDS:
+            _fail("forward mode", f"COMMIT is entered by setup_commit_pass (writer calls "
+                                  f"may follow it), but the last view-writing call was "
+                                  f"{kind!r}")
+    return bool(held)
+
+
+def _check_active_views(meta: Any) -> None:
+    offsets, table = meta.active_offsets, meta.active_block_table
+    if offsets is None or table is None:
+        _fail("forward mode", "DRAFT needs the active views (active_offsets, "
+                              "active_block_table) that begin_decode sets; they are None")
+    n, padded = meta.active_request_count, meta.padded_count
+    if offsets.shape[0] != n or table.shape[0] != n:
+        _fail("forward mode", f"DRAFT active views hold {offsets.shape[0]} offsets and "
+                              f"{table.shape[0]} table rows, active_request_count is {n}")
+    if not n <= padded <= meta.max_requests:
+        _fail("forward mode", f"DRAFT padded_count {padded} outside [active_request_count "
+                              f"{n}, max_requests {meta.max_requests}]")
+    if meta.offsets is not None and n and (
+            offsets.data_ptr() != meta.offsets.data_ptr()
+            or table.data_ptr() != meta.block_table.data_ptr()):
+        _fail("forward mode", "DRAFT active views are not prefixes of the persistent "
+                              "offsets/block_table buffers")
+
+
+def _check_annotations(meta: Any) -> None:
+    annotations = _host(meta.request_matched_prefix_blocks)
+    W = meta.max_kv_block_count
+    bad = np.flatnonzero((annotations < 0) | (annotations > W))
+    if bad.size:
+        row = int(bad[0])
+        _fail("annotations", f"request_matched_prefix_blocks[{row}] = "
+                             f"{int(annotations[row])} outside [0, max_kv_block_count {W}]")
+
+
+def _check_draft_offsets(meta: Any) -> None:
+    if meta.forward_mode is not MTPForwardMode.DRAFT:
+        return
+    n = meta.active_request_count
+    offsets = _host(meta.offsets)[:n].astype(np.int64)
+    limit = meta.max_kv_block_count * meta.block_size_tokens
+    bad = np.flatnonzero((offsets < 0) | (offsets > limit))
+    if bad.size:
+        i = int(bad[0])
+        _fail("draft offsets", f"offsets[{i}] = {int(offsets[i])} (request {i} of {n}) "
+                               f"outside [0, max_kv_block_count * block_size_tokens = "
+                               f"{limit}]")
+
+
+# ----------------------------------------------------------------------- view state
+_TOKEN_NAMES = ("token_to_block_idx", "token_to_local_position_within_kv_block",
+                "token_to_request_idx", "token_to_position_in_request")
+_REQUEST_NAMES = ("mha_query_lengths", "mha_kv_seq_lengths", "mha_cu_query_seq_lengths",
+                  "mha_cu_kv_seq_lengths", "mha_block_table")
+
+
+def _read_fields(view: Any, names: tuple, rows: int) -> Dict[str, np.ndarray]:
+    """Host int64 copies of the first ``rows`` rows of each field (``rows + 1`` for the
+    cumulative ones); a view too small for the last forward is reported, not indexed."""
+    fields = {}
+    for name in names:
+        tensor = getattr(view, name, None)
+        if not isinstance(tensor, torch.Tensor):
+            _fail("gpu_view", f"missing tensor field {name!r}")
+        array = tensor.cpu().numpy()
+        needed = rows + 1 if name.startswith("mha_cu_") else rows
+        if array.shape[0] < needed:
+            _fail("gpu_view", f"{name} holds {array.shape[0]} rows, the last forward "
+                              f"wrote {needed}")
+        fields[name] = array[:needed].astype(np.int64)
+    return fields
+
+
+def _describe(record: ForwardRecord) -> str:
+    return f"the last {record.kind} forward"
+
+
+def _check_token_rows(meta: Any, record: ForwardRecord, view: Any) -> None:
+    T, padded = record.token_count, record.padded_token_count
+    f = _read_fields(view, _TOKEN_NAMES, padded)
+    expected = (("token_to_block_idx", meta.dummy_block_idx, "dummy_block_idx "),
+                ("token_to_local_position_within_kv_block", 0, ""))
+    for name, value, what in expected:
+        values = f[name]
+        bad = np.flatnonzero(values[T:] != value)
+        if bad.size:
+            t = T + int(bad[0])
+            _fail("padded token rows", f"token {t} (pad rows [{T}, {padded}) of "
+                                       f"{_describe(record)}) has {name} {int(values[t])}, "
+                                       f"expected {what}{value}")
+    if record.inherited is not None:
+        _check_inherited(meta, record, f, T)
+
+
+def _record_key(record: ForwardRecord) -> tuple:
+    """What identifies one forward's record (also if a record object is ever reused)."""
+    return (id(record), record.kind, id(record.gpu_view), id(record.inherited),
+            record.token_count, record.padded_token_count, record.request_count,
+            record.padded_request_count)
+
+
+def _inherited_counts(meta: Any, record: ForwardRecord) -> np.ndarray:
+    """The inherited counts of ``record``'s forward, copied at its first check."""
+    key = _record_key(record)
+    seen = _INHERITED_SEEN.get(meta)
+    if seen is not None and seen[0] is record and seen[1] == key:
+        return seen[2]
+    counts = _host(record.inherited).astype(np.int64).reshape(-1).copy()
+    _INHERITED_SEEN[meta] = (record, key, counts)
+    return counts
+
+
+def _check_inherited(meta: Any, record: ForwardRecord, f: Dict[str, np.ndarray],
+                     T: int) -> None:
+    inherited = _inherited_counts(meta, record)
+    rows = f["token_to_request_idx"][:T]
+    size = inherited.shape[0]
+    outside = np.flatnonzero((rows < -size) | (rows >= size))
+    if outside.size:
+        t = int(outside[0])
+        _fail("inherited blocks", f"token {t} of {_describe(record)} has "
+                                  f"token_to_request_idx {int(rows[t])}, outside the "
+                                  f"{size} inherited_blocks entries")
+    columns = f["token_to_position_in_request"][:T] // meta.block_size_tokens
+    blocks = f["token_to_block_idx"][:T]
+    bad = np.flatnonzero((columns < inherited[rows]) & (blocks != meta.dummy_block_idx))
+    if bad.size:
+        t = int(bad[0])
+        row = int(rows[t])
+        _fail("inherited blocks", f"token {t} (row {row}, block column "
+                                  f"{int(columns[t])} < inherited {int(inherited[row])}) "
+                                  f"of {_describe(record)} points at block "
+                                  f"{int(blocks[t])}, expected dummy_block_idx "
+                                  f"{meta.dummy_block_idx}")
+
+
+def _check_request_slots(record: ForwardRecord, view: Any) -> None:
+    n, padded = record.request_count, record.padded_request_count
+    f = _read_fields(view, _REQUEST_NAMES, padded)
+    where = f"pad slots [{n}, {padded}) of {_describe(record)}"
+    for name in ("mha_query_lengths", "mha_kv_seq_lengths"):
+        values = f[name]
+        bad = np.flatnonzero(values[n:] != 0)
+        if bad.size:
+            i = n + int(bad[0])
+            _fail("padded request slots", f"slot {i} ({where}) has {name} "
+                                          f"{int(values[i])}, expected 0")
+    for name in ("mha_cu_query_seq_lengths", "mha_cu_kv_seq_lengths"):
+        cu = f[name]
+        bad = np.flatnonzero(cu[n + 1:padded + 1] != cu[n])
+        if bad.size:
+            i = n + 1 + int(bad[0])
+            _fail("padded request slots", f"{name}[{i}] = {int(cu[i])} ({where}), "
+                                          f"expected flat at cu[{n}] = {int(cu[n])}")
+    table = f["mha_block_table"]
+    bad_rows = np.flatnonzero((table[n:] != -1).any(axis=1))
+    if bad_rows.size:
+        i = n + int(bad_rows[0])
+        _fail("padded request slots", f"slot {i} ({where}) has mha_block_table row "
+                                      f"{table[i].tolist()}, expected all -1")
+    for name in ("mha_cu_query_seq_lengths", "mha_cu_kv_seq_lengths"):
+        cu = f[name]
+        if cu[0] != 0:
+            _fail("cu arrays", f"{name}[0] = {int(cu[0])} after {_describe(record)}, "
+                               "expected 0")
+        drops = np.flatnonzero(np.diff(cu) < 0)
+        if drops.size:
+            i = int(drops[0]) + 1
+            _fail("cu arrays", f"{name} decreases at slot {i}: cu[{i - 1}] = "
+                               f"{int(cu[i - 1])} > cu[{i}] = {int(cu[i])} (over [0, "
+                               f"{padded}] of {_describe(record)})")
+    if record.kind == "commit":
+        total = int(f["mha_cu_query_seq_lengths"][padded])
+        if total != record.padded_token_count:
+            _fail("cu arrays", f"mha_cu_query_seq_lengths[{padded}] = {total} after the "
+                               f"last commit pass, expected the padded token count "
+                               f"{record.padded_token_count}")
+
+
+# ---------------------------------------------------------------------------- entry
+def check_invariants(meta: Any, gpu_view: Optional[Any] = None) -> None:
+    """Check every invariant of ``meta`` and of its last forward's destination view.
+
+    ``gpu_view`` defaults to ``meta.last_forward.gpu_view``; the view checks are skipped
+    when there is no last forward or no view. Raises ``InvariantError`` (an
+    ``AssertionError``, raised explicitly) naming the first broken invariant and the
+    offending row, token or slot. May sync (it reads device buffers back).
+    """
+    if not _check_forward_mode(meta):
+        return
+    _check_annotations(meta)
+    _check_draft_offsets(meta)
+    record = meta.last_forward
+    if record is None:
+        return
+    view = gpu_view if gpu_view is not None else record.gpu_view
+    if view is None:
+        return
+    if record.kind in TOKEN_KINDS:
+        _check_token_rows(meta, record, view)
+    if record.kind in REQUEST_KINDS:
+        _check_request_slots(record, view)
+
+
+# ------------------------------------------------------------------- debug wrapping
+_IN_CALL = threading.local()  # ids of objects inside a checked call, per thread
+
+
+def _checked(method: types.FunctionType) -> Any:
+    @functools.wraps(method)
+    def checked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        busy = _IN_CALL.__dict__.setdefault("ids", set())
+        if id(self) in busy:  # a public method called from another: check once, outside
+            return method(self, *args, **kwargs)
+        busy.add(id(self))
+        try:
+            result = method(self, *args, **kwargs)
+        finally:
+            busy.discard(id(self))
+        check_invariants(self)
+        return result
+
+    checked.__invariant_checked__ = True
+    return checked
+
+
+def install_debug_checks(cls: type) -> None:
+    """Wrap every public method of ``cls`` (properties and ``check_invariants`` aside)
+    so that ``check_invariants(self)`` runs after each call that returns normally (a
+    call that raises keeps its own exception). Nested public calls are checked once, by
+    the outermost. Idempotent; a subclass can be wrapped without touching its base."""
+    for name in dir(cls):
+        if name.startswith("_") or name == "check_invariants":
+            continue
+        member = inspect.getattr_static(cls, name)
+        if isinstance(member, types.FunctionType) and \
+                not getattr(member, "__invariant_checked__", False):
+            setattr(cls, name, _checked(member))
