@@ -221,6 +221,9 @@ class MTPMetadata(InputChecks):
         self._prefill_views = {}
         self._active_views = {}
         self.last_forward = None
+        # Fresh buffers hold no draft loop: a re-allocate mid-forward must not leave
+        # DRAFT pointing at views of the dropped buffers (upstream's would).
+        self.forward_mode = MTPForwardMode.NONE
         self.invalidate_chunk_boundary()
 
     def deallocate(self) -> None:

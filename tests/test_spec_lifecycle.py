@@ -202,3 +202,17 @@ def test_entry_points_move_the_mode_through_draft_commit_and_none(path):
         MTPForwardMode.COMMIT, True, True)
     meta.end_forward()
     assert (meta.forward_active, meta.is_varlen_forward) == (False, False)
+
+
+def test_reallocate_mid_draft_loop_leaves_no_stale_forward(path):
+    """allocate() on an allocated object drops the old buffers; a DRAFT mode left
+    behind would point the next advance at views of freed memory."""
+    from tests.helpers import make_metadata
+
+    meta = make_metadata(path)
+    table = torch.zeros((2, meta.max_kv_block_count), dtype=torch.int32)
+    meta.begin_decode(2, 2, torch.tensor([1, 2]), table, False)
+    meta.allocate("cpu", mirror=(path == "mirror"))
+    assert meta.forward_mode is MTPForwardMode.NONE
+    assert meta.active_offsets is None
+    assert torch.equal(meta.offsets, torch.zeros_like(meta.offsets))
