@@ -184,8 +184,10 @@ class MTPMetadata(InputChecks):
             mirror: ``None`` mirrors exactly when ``device`` is not the CPU; ``True``
                 forces the mirror path (pinned staging + async copies + device ops) on
                 any device, the CPU included; ``False`` demands a CPU device.
-            max_tokens: capacity of the mirror path's token staging (tokens one
-                ``write_token_maps``/commit pass may write). Unused on the direct path.
+            max_tokens: token capacity the mirror path's forward staging is sized for
+                (tokens one ``write_token_maps``/commit pass writes). A larger forward
+                re-sizes the staging once, outside the draft loop (which stages at most
+                ``max_requests`` tokens). Unused on the direct path.
         """
         if not self.enabled:
             return

@@ -177,26 +177,38 @@ class MirrorBackend:
                               lambda: layout.tensor_fields(self._device_stage))
         view = target.tensors
         buffers = self.buffers
+        def padded_token_copies():  # block and local offset over the padded rows
+            return _pair_copies(view[1], view[2], staged[1], staged[2], tokens)
+
+        def real_token_copies():  # request, position and pos id of the real tokens only
+            copies = _pair_copies(view[3], view[4], staged[3], staged[4], real_tokens)
+            if real_tokens:
+                copies.append((view[0][:real_tokens], staged[0][:real_tokens]))
+            return copies
+
+        def request_copies():  # MHA lengths, cumulative sums and block table
+            if requests is None:
+                return []
+            return (_pair_copies(view[5], view[6], staged[5], staged[6], requests)
+                    + _pair_copies(view[7], view[8], staged[7], staged[8], requests + 1)
+                    + [(view[9][:requests], staged[9])])
+
         parts = [
-            self._cached(plans, ("padded_tokens", generation, layout, tokens), lambda: _pair_copies(
-                view[1], view[2], staged[1], staged[2], tokens)),
-            self._cached(plans, ("real_tokens", generation, layout, real_tokens), lambda: _pair_copies(
-                view[3], view[4], staged[3], staged[4], real_tokens) + (
-                [(view[0][:real_tokens], staged[0][:real_tokens])] if real_tokens else [])),
-            self._cached(plans, ("requests", generation, layout, requests), lambda: []
-                         if requests is None
-                         else _pair_copies(view[5], view[6], staged[5], staged[6], requests)
-                         + _pair_copies(view[7], view[8], staged[7], staged[8], requests + 1)
-                         + [(view[9][:requests], staged[9])]),
+            self._cached(plans, ("padded_tokens", generation, layout, tokens),
+                         padded_token_copies),
+            self._cached(plans, ("real_tokens", generation, layout, real_tokens),
+                         real_token_copies),
+            self._cached(plans, ("requests", generation, layout, requests), request_copies),
         ]
         if to_lengths == "pair":
-            parts.append(self._cached(plans, ("pair", generation, layout, lengths_count),
-                                      lambda: _pair_copies(buffers.query_lengths,
-                                                           buffers.kv_lengths, staged[5],
-                                                           staged[6], lengths_count)))
+            parts.append(self._cached(
+                plans, ("pair", generation, layout, lengths_count),
+                lambda: _pair_copies(buffers.query_lengths, buffers.kv_lengths, staged[5],
+                                     staged[6], lengths_count)))
         elif to_lengths == "query" and lengths_count:
-            parts.append(self._cached(plans, ("query", generation, layout, lengths_count), lambda: [(
-                buffers.query_lengths[:lengths_count], staged[5][:lengths_count])]))
+            parts.append(self._cached(
+                plans, ("query", generation, layout, lengths_count),
+                lambda: [(buffers.query_lengths[:lengths_count], staged[5][:lengths_count])]))
         for part in parts:
             for dst, src in part:
                 dst.copy_(src, non_blocking=True)
