@@ -158,13 +158,10 @@ class InputChecks:
                              f"(token {t})")
         self._check_block_column(f"positions (token {t})", int(positions[t]), columns)
 
-    def _check_device_token_inputs(self, rows: Any, positions: Any, block_table: Any,
-                                   inherited: Any) -> int:
-        named = (("rows", rows, 1), ("positions", positions, 1),
-                 ("block_table", block_table, 2), ("inherited_blocks", inherited, 1))
+    def _check_device_tensors(self, named: Tuple[Tuple[str, Any, int], ...]) -> None:
+        """Each ``(name, tensor, ndim)``: an integer tensor of ``ndim`` dims on the
+        buffers' device (the device-op route takes nothing else)."""
         for name, tensor, ndim in named:
-            if tensor is None and name == "inherited_blocks":
-                continue
             if not isinstance(tensor, torch.Tensor) or tensor.device != self.device:
                 raise ValueError(f"{name}: with device inputs every input must be a "
                                  f"tensor on {self.device}")
@@ -174,6 +171,12 @@ class InputChecks:
             if tensor.dim() != ndim:
                 raise ValueError(f"{name}: expected {ndim}-D, got shape "
                                  f"{tuple(tensor.shape)}")
+
+    def _check_device_token_inputs(self, rows: Any, positions: Any, block_table: Any,
+                                   inherited: Any) -> int:
+        named = (("rows", rows, 1), ("positions", positions, 1),
+                 ("block_table", block_table, 2), ("inherited_blocks", inherited, 1))
+        self._check_device_tensors(named[:3] if inherited is None else named)
         if rows.shape[0] != positions.shape[0]:
             raise ValueError(f"rows: {rows.shape[0]} entries, positions: "
                              f"{positions.shape[0]}; they must have the same length")
@@ -205,16 +208,7 @@ class InputChecks:
                                  kv_lengths: Any, block_table: Any) -> int:
         named = (("query_lengths", query_lengths, 1), ("kv_lengths", kv_lengths, 1),
                  ("block_table", block_table, 2))
-        for name, tensor, ndim in named:
-            if not isinstance(tensor, torch.Tensor) or tensor.device != self.device:
-                raise ValueError(f"{name}: with device inputs every input must be a "
-                                 f"tensor on {self.device}")
-            if not is_int_dtype(tensor.dtype):
-                raise InvalidDtypeError(f"{name}: dtype {tensor.dtype} is not an integer "
-                                        "dtype")
-            if tensor.dim() != ndim:
-                raise ValueError(f"{name}: expected {ndim}-D, got shape "
-                                 f"{tuple(tensor.shape)}")
+        self._check_device_tensors(named)
         count = query_lengths.shape[0]
         self._check_mha_shapes(target, count, kv_lengths.shape[0], tuple(block_table.shape))
         return count
