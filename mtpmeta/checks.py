@@ -61,17 +61,12 @@ class InputChecks:
 
     def _check_device_decode_inputs(self, starts: Tensor, table: Tensor,
                                     count: int) -> None:
-        for name, tensor in (("start_positions", starts), ("block_table_src", table)):
-            if not isinstance(tensor, torch.Tensor) or tensor.device != self.device:
-                raise ValueError(f"{name}: device inputs must be tensors on {self.device}")
-            if not is_int_dtype(tensor.dtype):
-                raise InvalidDtypeError(f"{name}: dtype {tensor.dtype} is not an integer "
-                                        "dtype")
-        if starts.dim() != 1 or starts.shape[0] < count:
+        self._check_device_tensors((("start_positions", starts, 1),
+                                    ("block_table_src", table, 2)))
+        if starts.shape[0] < count:
             raise ValueError(f"start_positions: shape {tuple(starts.shape)}, expected "
                              f"[>= active_request_count {count}]")
-        if table.dim() != 2 or table.shape[0] < count or \
-                table.shape[1] != self.max_kv_block_count:
+        if table.shape[0] < count or table.shape[1] != self.max_kv_block_count:
             raise ValueError(f"block_table_src: shape {tuple(table.shape)}, expected "
                              f"[>= {count}, max_kv_block_count {self.max_kv_block_count}]")
 
@@ -97,12 +92,8 @@ class InputChecks:
         return counts
 
     def _check_device_counts(self, counts: Tensor) -> Tensor:
-        if counts.device != self.device:
-            raise ValueError(f"append_counts: on {counts.device}, buffers on {self.device}")
-        if not is_int_dtype(counts.dtype):
-            raise InvalidDtypeError(f"append_counts: dtype {counts.dtype} is not an "
-                                    "integer dtype")
-        if counts.dim() != 1 or counts.shape[0] > self.max_requests:
+        self._check_device_tensors((("append_counts", counts, 1),))
+        if counts.shape[0] > self.max_requests:
             raise ValueError(f"append_counts: shape {tuple(counts.shape)}, expected "
                              f"[P <= max_requests {self.max_requests}]")
         return counts

@@ -13,10 +13,10 @@ import numpy as np
 from . import native
 from .buffers import PersistentBuffers
 from .gpu_view import ViewTarget
+from .inputs import kernel_optional
 
 __all__ = ["DirectBackend"]
 
-_NO_INDEX = np.zeros(1, dtype=np.int64)  # stands in for an absent optional array
 
 
 class DirectBackend:
@@ -70,8 +70,7 @@ class DirectBackend:
                     inherited: Optional[np.ndarray], padded_tokens: int, pad_tokens: int,
                     min_padded_requests: int, padded_requests: int) -> Tuple[int, int, int]:
         _, staged, padded_requests, max_len = native.staging.commit_pass(
-            counts, _NO_INDEX if starts is None else starts, starts is not None, table,
-            _NO_INDEX if inherited is None else inherited, inherited is not None,
+            counts, *kernel_optional(starts), table, *kernel_optional(inherited),
             padded_tokens, pad_tokens, self.max_requests, min_padded_requests,
             self.block_size, self.dummy, self._query_lengths, *target.arrays)
         return staged, padded_requests, max_len
@@ -81,8 +80,8 @@ class DirectBackend:
                          positions: np.ndarray, table: np.ndarray,
                          inherited: Optional[np.ndarray], padded: int) -> None:
         native.staging.write_token_maps(
-            rows, positions, table, _NO_INDEX if inherited is None else inherited,
-            inherited is not None, padded, self.block_size, self.dummy, *target.arrays[:5])
+            rows, positions, table, *kernel_optional(inherited), padded, self.block_size,
+            self.dummy, *target.arrays[:5])
 
     def write_mha_metadata(self, target: ViewTarget, query_lengths: np.ndarray,
                            kv_lengths: np.ndarray, count: int, table: np.ndarray,
@@ -90,6 +89,3 @@ class DirectBackend:
         native.staging.write_mha_metadata(query_lengths, kv_lengths, count, table,
                                           table.shape[0], padded, self.dummy,
                                           *target.arrays[5:])
-
-    def check_token_capacity(self, padded: int) -> None:
-        """The direct path stages nothing: only the view's capacity bounds a forward."""

@@ -9,7 +9,7 @@ These are explicit raises, never ``assert``: they hold under ``python -O``.
 from __future__ import annotations
 
 import operator
-from typing import Any, Union
+from typing import Any, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -24,6 +24,7 @@ __all__ = [
     "check_rows_in_range",
     "is_device_tensor",
     "RowIndex",
+    "kernel_optional",
 ]
 
 RowIndex = Union[slice, np.ndarray]
@@ -109,12 +110,25 @@ def as_host_ints(value: Any, name: str, *, ndim: int = 1) -> np.ndarray:
     return _as_fast_ints(array, name)
 
 
+_ABSENT = np.zeros(1, dtype=np.int64)  # stands in for an absent optional array
+
+
+def kernel_optional(array: Optional[np.ndarray]) -> Tuple[np.ndarray, bool]:
+    """``(array, present)`` for a kernel: numba kernels take a placeholder array and a
+    flag instead of ``None``, so one compiled signature serves both cases."""
+    return (_ABSENT, False) if array is None else (array, True)
+
+
+def _row_out_of_range(name: str, row: int, num_rows: int) -> IndexError:
+    return IndexError(f"{name}: row index {row} out of range for max_requests "
+                      f"{num_rows} (valid: -{num_rows} <= row < {num_rows})")
+
+
 def check_rows_in_range(rows: np.ndarray, num_rows: int, name: str) -> None:
     """IndexError unless every row is in ``[-num_rows, num_rows)`` (torch semantics)."""
     bad = native.checks.first_outside(rows, -num_rows, num_rows)
     if bad >= 0:
-        raise IndexError(f"{name}: row index {int(rows[bad])} out of range for "
-                         f"max_requests {num_rows} (valid: -{num_rows} <= row < {num_rows})")
+        raise _row_out_of_range(name, int(rows[bad]), num_rows)
 
 
 def as_row_indices(value: Any, num_rows: int, name: str) -> RowIndex:
@@ -127,8 +141,7 @@ def as_row_indices(value: Any, num_rows: int, name: str) -> RowIndex:
     if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
         row = int(value)
         if not -num_rows <= row < num_rows:
-            raise IndexError(f"{name}: row index {row} out of range for max_requests "
-                             f"{num_rows} (valid: -{num_rows} <= row < {num_rows})")
+            raise _row_out_of_range(name, row, num_rows)
         return np.asarray([row], dtype=np.int64)
     else:
         array = _numpy_of(value, name)

@@ -408,7 +408,7 @@ class MTPMetadata(InputChecks):
             table = as_host_ints(block_table_src, "block_table_src", ndim=2)
             self._check_decode_inputs(starts, table, count)
             backend.begin_decode(count, starts, table)
-        self._enter_decode(count, padded, graphed)
+        self._enter_checked(count, padded, graphed)
 
     def begin_decode_for_capture(self, padded_count: int) -> None:
         """Scratch-only draft state for CUDA-graph capture: ``offsets[:p] = 0``,
@@ -419,7 +419,7 @@ class MTPMetadata(InputChecks):
         backend = self._require("begin_decode_for_capture")
         padded = self._padded_request_slots(padded_count, 0)
         backend.begin_decode_for_capture(padded)
-        self._enter_decode(padded, padded, True)
+        self._enter_checked(padded, padded, True)
 
     def _enter_decode(self, active_request_count: int, padded_count: int,
                       graphed: bool) -> None:
@@ -427,7 +427,10 @@ class MTPMetadata(InputChecks):
         self._require("_enter_decode")
         count = as_count(active_request_count, "active_request_count",
                          high=self.max_requests, high_name="max_requests")
-        padded = self._padded_request_slots(padded_count, count)
+        self._enter_checked(count, self._padded_request_slots(padded_count, count), graphed)
+
+    def _enter_checked(self, count: int, padded: int, graphed: bool) -> None:
+        """``_enter_decode`` for counts the caller already validated."""
         views = self._active_views.get(count)
         if views is None:  # views of the fixed buffers, built once per count
             buffers = self._buffers
@@ -589,7 +592,6 @@ class MTPMetadata(InputChecks):
                              f"{num_prefill} (append_counts)")
         padded_requests = max(min_padded, staged)
         self._check_view_capacity(target, requests=padded_requests)
-        backend.check_token_capacity(padded_tokens)
         staged, padded_requests, max_len = backend.commit_pass(
             target, counts, starts, table, inherited, padded_tokens, pad, min_padded,
             padded_requests)
@@ -651,7 +653,6 @@ class MTPMetadata(InputChecks):
         if code != _TOKEN_CODES.TOKENS_OK:
             self._raise_token_error(code, culprit, rows_np, positions_np, table, inherited,
                                     columns)
-        backend.check_token_capacity(padded)
         backend.write_token_maps(target, rows_np, positions_np, table, inherited, padded)
         self.last_forward = ForwardRecord("tokens", gpu_view, count, padded, 0, 0, inherited)
 

@@ -28,11 +28,11 @@ from torch import Tensor
 from . import native
 from .buffers import PersistentBuffers
 from .gpu_view import ViewTarget
+from .inputs import kernel_optional
 from .staging import BoundedCache, CopyFence, ShadowLayout, StagingRing, numpy_dtype, paired
 
 __all__ = ["MirrorBackend"]
 
-_NO_INDEX = np.zeros(1, dtype=np.int64)
 _WIDEST = torch.int64  # staging capacity is sized for 8-byte fields
 CopyPair = Tuple[Tensor, Tensor]  # (destination, source)
 
@@ -62,7 +62,6 @@ class MirrorBackend:
         self.max_requests = max_requests
         self.block_size = block_size
         self.dummy = dummy
-        self.max_tokens = max_tokens
         self.device = buffers.offsets.device
         width = buffers.block_table.shape[1]
         table_dtype = buffers.block_table.dtype
@@ -111,9 +110,6 @@ class MirrorBackend:
         sums = 0 if requests is None else count + 1
         shapes = ((tokens,),) * 5 + ((count,), (count,), (sums,), (sums,), (count, width))
         return ShadowLayout.build(dtypes, shapes)
-
-    def check_token_capacity(self, padded: int) -> None:
-        """Nothing to refuse: a forward larger than the staging grows it (``_grow``)."""
 
     def _grow(self, nbytes: int) -> None:
         """Re-size the forward staging for a forward larger than ``allocate`` planned.
@@ -365,8 +361,7 @@ class MirrorBackend:
                     min_padded_requests: int, padded_requests: int) -> Tuple[int, int, int]:
         slot, layout, fields = self._shadow(target, padded_tokens, padded_requests)
         total, staged, padded_requests, max_len = native.staging.commit_pass(
-            counts, _NO_INDEX if starts is None else starts, starts is not None, table,
-            _NO_INDEX if inherited is None else inherited, inherited is not None,
+            counts, *kernel_optional(starts), table, *kernel_optional(inherited),
             padded_tokens, pad_tokens, self.max_requests, min_padded_requests,
             self.block_size, self.dummy, self._scratch_q, *fields)
         self._flush(target, slot, layout, padded_tokens, total, padded_requests, "query",
@@ -379,8 +374,8 @@ class MirrorBackend:
                          inherited: Optional[np.ndarray], padded: int) -> None:
         slot, layout, fields = self._shadow(target, padded, None)
         native.staging.write_token_maps(
-            rows, positions, table, _NO_INDEX if inherited is None else inherited,
-            inherited is not None, padded, self.block_size, self.dummy, *fields[:5])
+            rows, positions, table, *kernel_optional(inherited), padded, self.block_size,
+            self.dummy, *fields[:5])
         self._flush(target, slot, layout, padded, positions.shape[0], None, "", 0)
 
     def write_mha_metadata(self, target: ViewTarget, query_lengths: np.ndarray,
