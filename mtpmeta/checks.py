@@ -46,18 +46,23 @@ class InputChecks:
             raise ValueError(f"padded_count: {padded} < active_request_count {count}")
         return padded
 
-    def _check_decode_inputs(self, starts: np.ndarray, table: np.ndarray,
+    def _check_decode_shapes(self, starts: np.ndarray, table: np.ndarray,
                              count: int) -> None:
+        """Shapes of host draft inputs; the values are checked by the copy kernel."""
         if starts.shape[0] < count:
             raise ValueError(f"start_positions: {starts.shape[0]} entries < "
                              f"active_request_count {count}")
         if table.shape[0] < count or table.shape[1] != self.max_kv_block_count:
             raise ValueError(f"block_table_src: shape {tuple(table.shape)}, expected "
                              f"[>= {count}, max_kv_block_count {self.max_kv_block_count}]")
-        low, high = native.checks.min_max(starts, count)
+
+    def _raise_position_error(self, name: str, positions: np.ndarray, count: int) -> None:
+        """Name the bad position in ``positions[:count]`` that a kernel refused."""
+        low, high = native.checks.min_max(positions, count)
         if low < 0:
-            raise ValueError(f"start_positions: negative position {low}")
-        self._check_block_column("start_positions", high)
+            raise ValueError(f"{name}: negative position {low}")
+        self._check_block_column(name, high)
+        raise ValueError(f"{name}: a position lies outside the block table")
 
     def _check_device_decode_inputs(self, starts: Tensor, table: Tensor,
                                     count: int) -> None:

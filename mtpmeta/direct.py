@@ -38,9 +38,12 @@ class DirectBackend:
 
     # ------------------------------------------------------------------ draft loop
     def begin_decode(self, count: int, start_positions: np.ndarray,
-                     table_src: np.ndarray) -> None:
-        native.staging.copy_decode_inputs(start_positions, table_src, count,
-                                          self.host_offsets, self._block_table)
+                     table_src: np.ndarray) -> bool:
+        """Stage the draft loop; False (nothing written) when a start position is
+        negative or past the block table."""
+        return native.staging.copy_decode_inputs(start_positions, table_src, count,
+                                                 self.block_size, self.host_offsets,
+                                                 self._block_table)
 
     def begin_decode_for_capture(self, count: int) -> None:
         native.staging.fill_capture_state(self.host_offsets, self._block_table, count,
@@ -55,6 +58,8 @@ class DirectBackend:
 
     def decode_step(self, target: ViewTarget, count: int, padded: int,
                     graphed: bool) -> int:
+        """One draft depth; the largest KV length, or -1 (nothing written) when an
+        offset is negative or past the block table."""
         return native.staging.decode_step(self.host_offsets, self._block_table, count,
                                           padded, self.block_size, self.dummy,
                                           self._query_lengths, self._kv_lengths,

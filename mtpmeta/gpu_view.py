@@ -69,6 +69,7 @@ VIEW_FIELDS: Tuple[ViewField, ...] = (
 TOKEN_FIELDS: Tuple[str, ...] = tuple(f.name for f in VIEW_FIELDS if f.dims == ("tokens",))
 MHA_FIELDS: Tuple[str, ...] = tuple(f.name for f in VIEW_FIELDS if f.dims != ("tokens",))
 _FIELD_GETTER = operator.attrgetter(*(f.name for f in VIEW_FIELDS))
+_FIELD_NAMES = frozenset(f.name for f in VIEW_FIELDS)
 
 
 class ContextGPUView:
@@ -81,7 +82,22 @@ class ContextGPUView:
         device: where the buffer lives.
 
     Attributes: the ten ``VIEW_FIELDS`` (zero-initialised views into ``buffer``).
+    Assigning a field (``view.mha_block_table = t``) is allowed: it bumps
+    ``field_generation``, which tells the writers to re-check the view. (Rebinding that
+    bypasses ``__setattr__``, e.g. through ``__dict__``, is not seen.)
     """
+
+    field_generation: int = 0
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _FIELD_NAMES:
+            object.__setattr__(self, "field_generation", self.field_generation + 1)
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if name in _FIELD_NAMES:
+            object.__setattr__(self, "field_generation", self.field_generation + 1)
+        object.__delattr__(self, name)
 
     def __init__(self, max_requests: int, max_tokens: int, max_kv_blocks: int,
                  device: torch.device | str = "cpu") -> None:
@@ -132,13 +148,16 @@ class ViewTarget:
     views when the view lives on the CPU (else ``None``). ``max_tokens`` is the shortest
     token field, ``max_requests`` the shortest request field (cu arrays count one less),
     ``width`` the block-table width. ``plans`` caches the mirror path's per-shape copy
-    plans against this view, so they die with it.
+    plans against this view, so they die with it. ``generation`` is the view's
+    ``field_generation`` when it is exactly a ``ContextGPUView`` (else None).
     """
 
     __slots__ = ("tensors", "arrays", "max_tokens", "max_requests", "width", "device",
-                 "plans", "__weakref__")
+                 "plans", "generation", "__weakref__")
 
     def __init__(self, gpu_view: Any) -> None:
+        self.generation: Optional[int] = (gpu_view.field_generation
+                                          if type(gpu_view) is ContextGPUView else None)
         tensors = []
         for spec in VIEW_FIELDS:
             tensor = getattr(gpu_view, spec.name, None)
@@ -174,7 +193,13 @@ class ViewTarget:
             self.arrays = tuple(t.numpy() for t in tensors)
 
     def still_matches(self, gpu_view: Any) -> bool:
-        """True while every field attribute is still the tensor this target was built on."""
+        """True while every field attribute is still the tensor this target was built on.
+
+        A ``ContextGPUView`` counts its field assignments, so one integer compare does;
+        any other view object has its ten attributes compared by identity.
+        """
+        if self.generation is not None:
+            return gpu_view.field_generation == self.generation
         try:
             current = _FIELD_GETTER(gpu_view)
         except AttributeError:

@@ -22,6 +22,7 @@ __all__ = [
     "as_host_ints",
     "as_row_indices",
     "check_rows_in_range",
+    "raise_row_out_of_range",
     "is_device_tensor",
     "RowIndex",
     "kernel_optional",
@@ -131,10 +132,18 @@ def check_rows_in_range(rows: np.ndarray, num_rows: int, name: str) -> None:
         raise _row_out_of_range(name, int(rows[bad]), num_rows)
 
 
-def as_row_indices(value: Any, num_rows: int, name: str) -> RowIndex:
+def raise_row_out_of_range(rows: np.ndarray, bad: int, num_rows: int, name: str) -> None:
+    """Raise the IndexError for ``rows[bad]``, the index a row kernel refused."""
+    raise _row_out_of_range(name, int(rows[bad]), num_rows)
+
+
+def as_row_indices(value: Any, num_rows: int, name: str, *,
+                   checked: bool = True) -> RowIndex:
     """Row selection in any form torch indexing takes: slice, int, sequence, numpy
-    array, tensor, or a boolean mask of length ``num_rows``. Returns a slice or a
-    checked int array; raises IndexError for a row outside ``[-num_rows, num_rows)``.
+    array, tensor, or a boolean mask of length ``num_rows``. Returns a slice or an int
+    array; raises IndexError for a row outside ``[-num_rows, num_rows)``.
+    ``checked=False`` leaves the range check of an index array to the caller's kernel
+    (the ``native.rows`` kernels check before they write).
     """
     if isinstance(value, slice):
         return value
@@ -155,5 +164,6 @@ def as_row_indices(value: Any, num_rows: int, name: str) -> RowIndex:
         if array.ndim != 1:
             raise ValueError(f"{name}: expected a 1-D index, got shape {tuple(array.shape)}")
         rows = _as_fast_ints(array, name)
-    check_rows_in_range(rows, num_rows, name)
+    if checked:
+        check_rows_in_range(rows, num_rows, name)
     return rows

@@ -24,7 +24,8 @@ from .errors import (
     NotAllocatedError,
 )
 from .gpu_view import ViewCache, ViewTarget
-from .inputs import as_count, as_host_ints, as_row_indices, is_device_tensor
+from .inputs import (as_count, as_host_ints, as_row_indices, is_device_tensor,
+                     raise_row_out_of_range)
 from .types import ForwardRecord, ForwardShape, MTPForwardMode
 
 __all__ = ["MTPMetadata"]
@@ -95,7 +96,7 @@ class MTPMetadata(InputChecks):
         self._prefill_views: Dict[int, Tensor] = {}
         self._active_views: Dict[int, Tuple[Tensor, Tensor, Tuple[Tensor, Tensor]]] = {}
         self._active_lengths: Optional[Tuple[Tensor, Tensor]] = None
-        self._decode_shapes: Dict[Tuple[int, int, Optional[int]], ForwardShape] = {}
+        self._shapes: Dict[Tuple[Any, ...], ForwardShape] = {}
         # The last view-writing call, for check_invariants (None before any).
         self.last_forward: Optional[ForwardRecord] = None
 
@@ -267,16 +268,19 @@ class MTPMetadata(InputChecks):
             return
         self._require("reset_request_rows")
         annotations = self._buffers.annotations
-        rows = as_row_indices(request_indexes, self.max_requests, "request_indexes")
+        rows = as_row_indices(request_indexes, self.max_requests, "request_indexes",
+                              checked=False)
         if isinstance(rows, slice):
             annotations[rows] = 0
-        else:
-            native.rows.reset_rows(annotations, rows)
+            return
+        bad = native.rows.reset_rows(annotations, rows)
+        if bad >= 0:  # refused before any write
+            raise_row_out_of_range(rows, bad, self.max_requests, "request_indexes")
 
     def _row_pair(self, method: str, src_idxs: Indices,
                   dst_idxs: Indices) -> Tuple[np.ndarray, np.ndarray]:
-        src = as_row_indices(src_idxs, self.max_requests, "src_idxs")
-        dst = as_row_indices(dst_idxs, self.max_requests, "dst_idxs")
+        src = as_row_indices(src_idxs, self.max_requests, "src_idxs", checked=False)
+        dst = as_row_indices(dst_idxs, self.max_requests, "dst_idxs", checked=False)
         if isinstance(src, slice):
             src = np.arange(self.max_requests)[src]
         if isinstance(dst, slice):
@@ -297,8 +301,8 @@ class MTPMetadata(InputChecks):
             return
         self._require("move_request_rows")
         src, dst = self._row_pair("move_request_rows", src_idxs, dst_idxs)
-        native.rows.move_rows(self._buffers.annotations, src, dst,
-                              self._row_scratch(src.shape[0]))
+        self._raise_bad_row(src, dst, native.rows.move_rows(
+            self._buffers.annotations, src, dst, self._row_scratch(src.shape[0])))
 
     def swap_request_rows(self, src_idxs: Indices, dst_idxs: Indices) -> None:
         """Swap annotations: both sides read first, then ``x[dst] = old[src]``, then
@@ -308,8 +312,16 @@ class MTPMetadata(InputChecks):
             return
         self._require("swap_request_rows")
         src, dst = self._row_pair("swap_request_rows", src_idxs, dst_idxs)
-        native.rows.swap_rows(self._buffers.annotations, src, dst,
-                              self._row_scratch(2 * src.shape[0]))
+        self._raise_bad_row(src, dst, native.rows.swap_rows(
+            self._buffers.annotations, src, dst, self._row_scratch(2 * src.shape[0])))
+
+    def _raise_bad_row(self, src: np.ndarray, dst: np.ndarray, bad: int) -> None:
+        """``bad`` from a pair kernel: -1, or the index it refused (nothing written)."""
+        if bad >= 0:
+            count = src.shape[0]
+            if bad < count:
+                raise_row_out_of_range(src, bad, self.max_requests, "src_idxs")
+            raise_row_out_of_range(dst, bad - count, self.max_requests, "dst_idxs")
 
     # --------------------------------------------------------------- chunk carry
     def invalidate_chunk_boundary(self) -> None:
@@ -334,7 +346,7 @@ class MTPMetadata(InputChecks):
             except (RuntimeError, TypeError, ValueError) as error:
                 raise InvalidDtypeError(f"hidden: expected a tensor with hidden_size "
                                         f"{self.hidden_size} elements ({error})") from None
-        if hidden.device.type == "meta":
+        if hidden.is_meta:
             raise ValueError("hidden: a meta tensor holds no data to carry")
         if not hidden.dtype.is_floating_point:
             raise InvalidDtypeError(f"hidden: dtype {hidden.dtype} is not a floating dtype "
@@ -344,9 +356,9 @@ class MTPMetadata(InputChecks):
                              f"{tuple(hidden.shape)}), expected hidden_size "
                              f"{self.hidden_size}")
         target = self._buffers.chunk_boundary_hidden
-        # [H], [1, H] and [1, 1, H] broadcast into the buffer as they are; other shapes
-        # with H elements are reshaped first.
-        source = hidden if hidden.shape[-1:] == target.shape[-1:] and hidden.dim() <= 3 \
+        # [H], [1, H] and [1, 1, H] (H elements, last dim H) broadcast into the buffer as
+        # they are; other shapes with H elements are reshaped first.
+        source = hidden if 0 < hidden.dim() <= 3 and hidden.size(-1) == self.hidden_size \
             else hidden.reshape(target.shape)
         if source.requires_grad:
             source = source.detach()  # never let the persistent buffer join a graph
@@ -406,8 +418,9 @@ class MTPMetadata(InputChecks):
         else:
             starts = as_host_ints(start_positions, "start_positions")
             table = as_host_ints(block_table_src, "block_table_src", ndim=2)
-            self._check_decode_inputs(starts, table, count)
-            backend.begin_decode(count, starts, table)
+            self._check_decode_shapes(starts, table, count)
+            if not backend.begin_decode(count, starts, table):  # bad start: nothing written
+                self._raise_position_error("start_positions", starts, count)
         self._enter_checked(count, padded, graphed)
 
     def begin_decode_for_capture(self, padded_count: int) -> None:
@@ -485,23 +498,22 @@ class MTPMetadata(InputChecks):
         count, padded = self.active_request_count, self.padded_count
         self._check_view_capacity(target, tokens=padded, requests=padded)
         self._check_view_width(target, self.max_kv_block_count, "max_kv_block_count")
-        if backend.host_offsets_known:
-            low, high = native.checks.min_max(backend.host_offsets, count)
-            if low < 0:
-                raise ValueError(f"active_offsets: negative position {low}")
-            self._check_block_column("active_offsets", high)
         max_kv = backend.decode_step(target, count, padded, self.graphed)
+        if max_kv < 0:  # the kernel found a bad offset and wrote nothing
+            self._raise_position_error("active_offsets", backend.host_offsets, count)
         self.last_forward = ForwardRecord("decode", gpu_view, count, padded, count, padded)
-        key = (count, padded, max_kv if backend.host_offsets_known else None)
-        shape = self._decode_shapes.get(key)
-        if shape is None:  # shapes repeat step after step: build each once
-            if len(self._decode_shapes) > 4096:
-                self._decode_shapes.clear()
-            shape = ForwardShape(
-                token_count=count, padded_token_count=padded, request_count=count,
-                padded_request_count=padded, max_seqlen_q=1 if count else 0,
-                max_seqlen_k=None if key[2] is None else int(key[2]))
-            self._decode_shapes[key] = shape
+        return self._shape(count, padded, count, padded, 1 if count else 0,
+                           max_kv if backend.host_offsets_known else None)
+
+    def _shape(self, *fields: Any) -> ForwardShape:
+        """``ForwardShape(*fields)``, built once per distinct shape (shapes repeat step
+        after step, and building a frozen dataclass costs about 1 µs)."""
+        shape = self._shapes.get(fields)
+        if shape is None:
+            if len(self._shapes) > 4096:
+                self._shapes.clear()
+            shape = ForwardShape(*fields)
+            self._shapes[fields] = shape
         return shape
 
     # --------------------------------------------------------------- commit pass
@@ -598,10 +610,8 @@ class MTPMetadata(InputChecks):
         self.forward_mode = MTPForwardMode.COMMIT
         self.last_forward = ForwardRecord("commit", gpu_view, int(total), padded_tokens,
                                           staged, padded_requests, inherited)
-        return ForwardShape(
-            token_count=int(total), padded_token_count=padded_tokens, request_count=staged,
-            padded_request_count=padded_requests, max_seqlen_q=int(max_len),
-            max_seqlen_k=int(max_len))
+        return self._shape(int(total), padded_tokens, staged, padded_requests,
+                           int(max_len), int(max_len))
 
     # -------------------------------------------------------------------- writers
     def _target(self, gpu_view: Any) -> ViewTarget:

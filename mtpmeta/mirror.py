@@ -219,16 +219,20 @@ class MirrorBackend:
 
     # ---------------------------------------------------------------- draft loop
     def begin_decode(self, count: int, start_positions: np.ndarray,
-                     table_src: np.ndarray) -> None:
-        native.staging.copy_decode_inputs(start_positions, table_src, count,
-                                          self.host_offsets, self.host_block_table)
+                     table_src: np.ndarray) -> bool:
+        """Stage the draft loop; False (nothing written) when a start position is
+        negative or past the block table."""
+        if not native.staging.copy_decode_inputs(start_positions, table_src, count,
+                                                 self.block_size, self.host_offsets,
+                                                 self.host_block_table):
+            return False
         self.host_offsets_known = True
         if count == 0:
-            return
+            return True
         slot = self._begin_ring.acquire()
         offsets_np, table_np = self._begin_fields[slot]
-        native.staging.copy_decode_inputs(start_positions, table_src, count, offsets_np,
-                                          table_np)
+        native.staging.copy_decode_inputs(start_positions, table_src, count,
+                                          self.block_size, offsets_np, table_np)
         offsets_t, table_t = self._begin_tensors[slot]
         buffers = self.buffers
         self._prefix("offsets", buffers.offsets, 0, count).copy_(
@@ -236,6 +240,7 @@ class MirrorBackend:
         self._prefix("block_table", buffers.block_table, 0, count).copy_(
             self._prefix(("begin_table", slot), table_t, 0, count), non_blocking=True)
         self._begin_ring.release(slot)
+        return True
 
     def begin_decode_device(self, count: int, start_positions: Tensor,
                             table_src: Tensor) -> None:
@@ -263,6 +268,11 @@ class MirrorBackend:
 
     def decode_step(self, target: ViewTarget, count: int, padded: int,
                     graphed: bool) -> int:
+        """One draft depth; the largest KV length (0 when the host has no offsets), or
+        -1 (nothing written) when a host-known offset is negative or past the table."""
+        if self.host_offsets_known and not native.staging.offsets_in_table(
+                self.host_offsets, count, self.block_size, self.host_block_table.shape[1]):
+            return -1  # checked before a slot is taken: nothing written, nothing staged
         if graphed or not self.host_offsets_known:
             self._decode_step_on_device(target, count, padded)
             if not self.host_offsets_known:

@@ -2,33 +2,67 @@
 
 ``values`` is the host annotation array (``request_matched_prefix_blocks``), int32
 ``[max_requests]``. Row index arrays are int32 or int64 ``[K]`` and may be negative:
-``-max_requests <= row < max_requests`` wraps like torch/numpy indexing (the wrapper has
-checked the bound).
+``-max_requests <= row < max_requests`` wraps like torch/numpy indexing. Each kernel
+checks that bound for every index BEFORE it writes, and returns the position of the
+first index outside it (-1 when all are inside), so a bad index changes nothing.
 """
 
 from numba import njit
 
 
 @njit(cache=True)
+def first_row_outside(rows, num_rows):
+    """First ``i`` with ``rows[i]`` outside ``[-num_rows, num_rows)``, else -1."""
+    for i in range(rows.shape[0]):
+        if rows[i] < -num_rows or rows[i] >= num_rows:
+            return i
+    return -1
+
+
+@njit(cache=True)
 def reset_rows(values, rows):
-    """``values[rows] = 0``. values: int32 [R]; rows: int [K]."""
+    """``values[rows] = 0``; returns -1, or the first bad ``i`` (nothing written).
+
+    values: int32 [R]; rows: int [K].
+    """
     num_rows = values.shape[0]
+    bad = first_row_outside(rows, num_rows)
+    if bad >= 0:
+        return bad
     for i in range(rows.shape[0]):
         row = rows[i]
         if row < 0:
             row += num_rows
         values[row] = 0
+    return -1
+
+
+@njit(cache=True)
+def first_pair_outside(src, dst, num_rows):
+    """-1 when every index of ``src`` and ``dst`` [K] is a valid row; else the first
+    bad one: ``i`` for ``src[i]``, ``K + i`` for ``dst[i]``."""
+    bad = first_row_outside(src, num_rows)
+    if bad >= 0:
+        return bad
+    bad = first_row_outside(dst, num_rows)
+    if bad >= 0:
+        return src.shape[0] + bad
+    return -1
 
 
 @njit(cache=True)
 def move_rows(values, src, dst, scratch):
     """``values[dst] = values[src]``, every source read before any destination is written.
+    Returns ``first_pair_outside`` (-1 when done; otherwise nothing was written).
 
     values: int32 [R]; src, dst: int [K]; scratch: int32 [>= K].
     Example: values [5, 6, 7], src [0, 1], dst [1, 2] -> [5, 5, 6] (overlap is safe).
     """
     num_rows = values.shape[0]
     count = src.shape[0]
+    bad = first_pair_outside(src, dst, num_rows)
+    if bad >= 0:
+        return bad
     for i in range(count):
         row = src[i]
         if row < 0:
@@ -39,6 +73,7 @@ def move_rows(values, src, dst, scratch):
         if row < 0:
             row += num_rows
         values[row] = scratch[i]
+    return -1
 
 
 @njit(cache=True)
@@ -47,11 +82,15 @@ def swap_rows(values, src, dst, scratch):
 
     Both sides are read first; then ``values[dst] = old[src]``; then
     ``values[src] = old[dst]`` (an index on both sides ends with the second assignment).
+    Returns ``first_pair_outside`` (-1 when done; otherwise nothing was written).
     values: int32 [R]; src, dst: int [K]; scratch: int32 [>= 2K].
     Example: values [5, 6, 7], src [0, 1], dst [1, 2] -> [6, 7, 6].
     """
     num_rows = values.shape[0]
     count = src.shape[0]
+    bad = first_pair_outside(src, dst, num_rows)
+    if bad >= 0:
+        return bad
     for i in range(count):
         src_row = src[i]
         if src_row < 0:
@@ -71,3 +110,4 @@ def swap_rows(values, src, dst, scratch):
         if row < 0:
             row += num_rows
         values[row] = scratch[count + i]
+    return -1

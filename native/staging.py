@@ -23,17 +23,33 @@ NEGATIVE_COUNT = 5
 
 # --------------------------------------------------------------------------- draft loop
 @njit(cache=True)
-def copy_decode_inputs(start_positions, table_src, count, offsets, block_table):
+def offsets_in_table(offsets, count, block_size, width):
+    """True when every ``offsets[:count]`` is >= 0 and its block column ``< width``."""
+    for t in range(count):
+        position = np.int64(offsets[t])
+        if position < 0 or position // block_size >= width:
+            return False
+    return True
+
+
+@njit(cache=True)
+def copy_decode_inputs(start_positions, table_src, count, block_size, offsets,
+                       block_table):
     """``offsets[:count] = start_positions[:count]``; ``block_table[:count] = table_src[:count]``.
 
+    Returns False and writes nothing when a start position is negative or its block
+    column is ``>= W`` (``offsets_in_table``); True after the copy.
     start_positions: int [>= count]; table_src: int [>= count, W];
     offsets: int32 [R]; block_table: int32/int64 [R, W].
     """
     width = block_table.shape[1]
+    if not offsets_in_table(start_positions, count, block_size, width):
+        return False
     for i in range(count):
         offsets[i] = start_positions[i]
         for col in range(width):
             block_table[i, col] = table_src[i, col]
+    return True
 
 
 @njit(cache=True)
@@ -269,11 +285,14 @@ def decode_step(offsets, block_table, count, padded, block_size, dummy, query_le
                 mha_cu_kv_seq_lengths, mha_block_table):
     """One draft depth in one call: token maps for rows ``0..n-1`` at ``offsets[:n]``
     through ``block_table[:n]`` padded to ``padded``, the decode lengths, and the MHA
-    metadata padded to ``padded``. Returns the largest KV length.
+    metadata padded to ``padded``. Returns the largest KV length, or -1 without writing
+    anything when an offset is negative or past the table (``offsets_in_table``).
 
     offsets: int32 [R]; block_table: [R, W]; query/kv lengths: int32 [R]; the ten view
     outputs as in ``write_token_maps`` / ``write_mha_metadata``.
     """
+    if not offsets_in_table(offsets, count, block_size, block_table.shape[1]):
+        return -1
     for t in range(count):
         position = np.int64(offsets[t])
         column = position // block_size

@@ -43,9 +43,16 @@ def _reallocated(meta: MTPMetadata) -> None:
     meta.allocate("cpu", mirror=mirror)
 
 
-def _past_the_table(meta: MTPMetadata) -> None:
-    meta.begin_decode(2, 2, [23, 3], T3, graphed=False)  # 23 is the last slot of column 5
+def _past_the_table(meta: MTPMetadata, graphed: bool = False) -> None:
+    meta.begin_decode(2, 2, [23, 3], T3, graphed=graphed)  # 23: last slot of column 5
     meta.advance_decode_step()
+
+
+def _negative_offset(meta: MTPMetadata) -> None:
+    meta.begin_decode(2, 2, [0, 3], T3, graphed=False)
+    meta.offsets[0] = -1  # the buffer is public; a scheduler could write it
+    if meta.mirror:
+        meta._backend.host_offsets[0] = -1  # its host copy, which the mirror checks
 
 
 CASES = [
@@ -77,6 +84,12 @@ CASES = [
     Case("decode_step-advanced-past-table", lambda m, v: m.setup_decode_step(v["view"]),
          ValueError, r"active_offsets.*block column 6 >= max_kv_block_count 6",
          _past_the_table),
+    Case("decode_step-graphed-advanced-past-table",
+         lambda m, v: m.setup_decode_step(v["view"]), ValueError,
+         r"active_offsets.*block column 6 >= max_kv_block_count 6",
+         lambda m: _past_the_table(m, graphed=True)),
+    Case("decode_step-negative-offset", lambda m, v: m.setup_decode_step(v["view"]),
+         ValueError, r"active_offsets: negative position -1", _negative_offset),
     Case("decode_step-after-end_forward", lambda m, v: m.setup_decode_step(v["view"]),
          ForwardModeError, r"begin_decode", lambda m: m.end_forward()),
     Case("decode_step-without-begin_decode", lambda m, v: m.setup_decode_step(v["view"]),

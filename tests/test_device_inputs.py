@@ -10,7 +10,6 @@ a bad column to a real block, and only GPU users see it.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 

@@ -9,7 +9,6 @@ a moved buffer makes a captured graph write freed memory.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from mtpmeta import VIEW_FIELDS, ContextGPUView, MTPMetadata
 from mtpmeta.opcount import OpCounter

@@ -132,7 +132,8 @@ def test_carry_copies_the_hidden_instead_of_aliasing_it(path):
     assert (meta.chunk_boundary_req_id, meta.chunk_boundary_position) == (7, 10)
 
 
-@pytest.mark.parametrize("shape", [(8,), (1, 8), (2, 4), (1, 1, 8)])
+@pytest.mark.parametrize("shape", [(8,), (1, 8), (2, 4), (1, 1, 8), (8, 1), (1, 1, 1, 8),
+                                   (2, 2, 2)])
 def test_carry_accepts_any_shape_with_hidden_size_elements(path, shape):
     """The main model hands ``[1, H]`` or ``[H]`` depending on the call site."""
     meta = make_metadata(path)

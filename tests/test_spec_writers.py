@@ -198,3 +198,21 @@ def test_writers_accept_any_object_with_the_ten_fields(path, kind):
     assert field(view, "mha_cu_kv_seq_lengths")[:5] == [0, 4, 13, 13, S]
     assert field(view, "mha_block_table")[:4] == [TABLE[0], [D] * 6, [-1] * 6, [S] * 6]
     _untouched_from(view, start_token=4, start_request=3)
+
+
+@pytest.mark.parametrize("kind", ["context", "reference", "namespace"])
+def test_writers_follow_a_rebound_view_field(path, kind):
+    """A view is resolved once and cached; rebinding one of its fields afterwards must
+    send the next write to the new tensor and leave the old one alone."""
+    meta = make_metadata(path)
+    view = make_view(kind)
+    meta.write_token_maps(view, [0], [5], TABLE, 1)
+    old = view.token_to_block_idx
+    assert old.tolist()[0] == 11
+    view.token_to_block_idx = torch.full_like(old, S)
+    meta.write_token_maps(view, [1], [9], TABLE, 1)
+    assert view.token_to_block_idx.tolist()[:2] == [22, S]
+    assert old.tolist()[0] == 11  # the dropped tensor is not written any more
+    view.mha_block_table = torch.full((8, 5), S, dtype=torch.int32)  # narrower: rejected
+    with pytest.raises(ValueError, match="width"):
+        meta.write_mha_metadata(view, [1], [4], [TABLE[0]], 1)
