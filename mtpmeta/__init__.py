@@ -5,6 +5,7 @@ whose device writes are a few CUDA-graph-safe torch ops. See ``MTPMetadata``.
 """
 
 from .errors import (
+    CarryNotAllocatedError,
     ChunkCarryError,
     ForwardModeError,
     InvalidDtypeError,
@@ -24,6 +25,7 @@ __all__ = [
     "ContextGPUView",
     "ForwardShape",
     "VIEW_FIELDS",
+    "CarryNotAllocatedError",
     "ChunkCarryError",
     "ForwardModeError",
     "InvalidDtypeError",

@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from . import floor
 from .gpu_view import VIEW_FIELDS, ContextGPUView
 from .metadata import MTPMetadata
 from .opcount import OpCounter
@@ -129,6 +130,27 @@ def measure(name: str, config: StepConfig, steps: List[StepInputs], repeats: int
         "syncs_per_step": step_counter.scalar_reads,
         "draft_loop_allocations": draft_counter.new_storages,
     }
+
+
+def kernel_floor(config: StepConfig, steps: List[StepInputs],
+                 repeats: int) -> Dict[str, Any]:
+    """Median µs per step of the direct path's kernels alone (``mtpmeta.floor``), after
+    checking that they leave the same view and buffers as the full direct path."""
+    full, full_view = build("direct", config, torch.device("cpu"))
+    bare, bare_view = build("direct", config, torch.device("cpu"))
+    prepared = floor.prepare(steps)
+    for inputs, bare_inputs in zip(steps, prepared):
+        run_step(full, full_view, inputs, config)
+        floor.floor_step(bare, bare_view, bare_inputs, config)
+    expected, actual = _state(full, full_view), _state(bare, bare_view)
+    same = all(torch.equal(actual[key], value) for key, value in expected.items())
+    per_step = []
+    for _ in range(repeats):
+        start = time.perf_counter_ns()
+        for inputs in prepared:
+            floor.floor_step(bare, bare_view, inputs, config)
+        per_step.append((time.perf_counter_ns() - start) / len(prepared) / 1e3)
+    return {"us_per_step": statistics.median(per_step), "same_result": same}
 
 
 def cold_start(config: StepConfig) -> Dict[str, float]:
@@ -243,6 +265,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(_table(config, results, str(device)))
     output: Dict[str, Any] = {"config": asdict(config), "device": str(device),
                               "results": results}
+    if device.type == "cpu":
+        output["kernel_floor"] = kernel_floor(config, steps, repeats)
+        floor_us = output["kernel_floor"]["us_per_step"]
+        print(f"kernel floor (direct path's numba kernels alone, inputs pre-converted, no "
+              f"validation): {floor_us:.1f} µs/step = "
+              f"{results['reference']['us_per_step'] / floor_us:.1f}x the reference")
+        if not output["kernel_floor"]["same_result"]:
+            print("mtpmeta bench: the kernel floor step differs from the direct path",
+                  file=sys.stderr)
+            return 1
     if device.type == "cpu" and not args.no_cold_start:
         output["cold_start"] = cold_start(config)
         print("cold start (new process, imports + first step): "

@@ -6,6 +6,7 @@ __all__ = [
     "ChunkCarryError",
     "MTPDisabledError",
     "NotAllocatedError",
+    "CarryNotAllocatedError",
     "InvalidDtypeError",
     "ForwardModeError",
 ]
@@ -28,6 +29,16 @@ class MTPDisabledError(AssertionError):
 
 class NotAllocatedError(ValueError, RuntimeError):
     """An enabled object was used before ``allocate`` (or after ``deallocate``)."""
+
+
+class CarryNotAllocatedError(NotAllocatedError, ChunkCarryError):
+    """``take_chunk_boundary`` on an enabled object that is not allocated.
+
+    There is no buffer to return and no live carry, so it is both: a
+    ``NotAllocatedError`` naming ``allocate`` and a ``ChunkCarryError`` (an
+    ``AssertionError``), which code written against upstream, where the missing carry
+    raised, already catches.
+    """
 
 
 class InvalidDtypeError(ValueError, TypeError):

@@ -17,6 +17,7 @@ from .buffers import PersistentBuffers
 from .checks import INT32_LIMIT, INT64_MAX, InputChecks, is_int_dtype
 from .direct import DirectBackend
 from .errors import (
+    CarryNotAllocatedError,
     ChunkCarryError,
     ForwardModeError,
     InvalidDtypeError,
@@ -373,8 +374,9 @@ class MTPMetadata(InputChecks):
         or when it sits at another position than ``seam_position``.
         """
         if self.enabled and self._buffers is None:
-            raise NotAllocatedError("take_chunk_boundary: buffers are not allocated; call "
-                                    "allocate(device) first")
+            raise CarryNotAllocatedError(
+                f"take_chunk_boundary: buffers are not allocated (call allocate(device) "
+                f"first), so no chunk-boundary carry is live for request {req_id}")
         req_id = as_count(req_id, "req_id", low=-INT64_MAX - 1, high=INT64_MAX,
                           high_name="int64 max")
         seam_position = as_count(seam_position, "seam_position", low=-INT64_MAX - 1,

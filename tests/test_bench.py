@@ -84,3 +84,28 @@ def test_bench_fails_loudly_when_results_differ(monkeypatch, capsys):
 def test_cli_rejects_unknown_commands(capsys):
     assert cli_main(["frobnicate"]) == 2
     assert "unknown command" in capsys.readouterr().err
+
+
+def test_kernel_floor_does_the_same_work_as_the_direct_path(tmp_path):
+    """The floor is only a bound if it leaves the same view and buffers as the full
+    direct path; the bench reports it next to the implementations."""
+    out = tmp_path / "bench.json"
+    assert bench.main([*SMALL_FLAGS, "--json", str(out)]) == 0
+    floor = json.loads(out.read_text())["kernel_floor"]
+    assert floor["same_result"] is True and floor["us_per_step"] > 0
+
+
+def test_kernel_floor_that_skips_work_is_caught(monkeypatch, capsys):
+    """A floor step that does less than the direct path (here: no TP pad rows in the
+    commit pass) must fail the bench instead of reporting a bound."""
+    from mtpmeta import floor
+
+    def without_padding(meta, view, inputs, config):
+        inputs = floor.FloorInputs(**{**vars(inputs), "padded_tokens": 0,
+                                      "pad_tokens": 0})
+        original(meta, view, inputs, config)
+
+    original = floor.floor_step
+    monkeypatch.setattr(floor, "floor_step", without_padding)
+    assert bench.main(SMALL_FLAGS) == 1
+    assert "kernel floor step differs" in capsys.readouterr().err

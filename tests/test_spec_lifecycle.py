@@ -10,7 +10,7 @@ import enum
 import pytest
 import torch
 
-from mtpmeta import MTPForwardMode, MTPMetadata
+from mtpmeta import MTPForwardMode, MTPMetadata, NotAllocatedError
 from tests.helpers import BUFFER_NAMES, config, make_metadata, make_view
 
 D = 999
@@ -136,6 +136,21 @@ def test_methods_after_deallocate_raise_an_error_naming_allocate(path):
     for name, call in calls.items():
         with pytest.raises((ValueError, RuntimeError), match="allocate"):
             call()
+
+
+@pytest.mark.parametrize("allocated_before", [False, True])
+def test_take_without_buffers_is_also_the_missing_carry_assertion(path, allocated_before):
+    """Upstream raised an AssertionError for a take with no live carry; an unallocated
+    object has none, so code that catches AssertionError must keep working."""
+    meta = MTPMetadata(**config())
+    if allocated_before:
+        meta.allocate("cpu", mirror=(path == "mirror"))
+        meta.carry_chunk_boundary(torch.ones(8), req_id=1, position=2)
+        meta.deallocate()
+    with pytest.raises(AssertionError, match="allocate"):
+        meta.take_chunk_boundary(1, 2)
+    with pytest.raises(NotAllocatedError):
+        meta.take_chunk_boundary(1, 2)
 
 
 def test_disabled_object_is_inert(path):

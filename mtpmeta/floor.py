@@ -1,0 +1,95 @@
+"""The kernel floor of the standard step: the direct path's numba kernels alone.
+
+``floor_step`` does the numba work of one standard step (``mtpmeta.workload``) on a
+direct-path ``MTPMetadata``, with the inputs converted to numpy beforehand and none of
+the public methods' validation, mode bookkeeping or shape building. It leaves the view
+and the buffers exactly as ``run_step`` does (the bench checks that before it times
+anything), so ``µs per floor step`` is what the step costs once every wrapper is gone:
+a lower bound for the direct path on the same machine, and the part of it that
+Python-level work cannot remove.
+
+Internal on purpose: it reaches into the backend, and exists only to be measured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List
+
+import numpy as np
+
+from . import native
+from .metadata import MTPMetadata
+from .workload import StepConfig, StepInputs
+
+__all__ = ["FloorInputs", "prepare", "floor_step"]
+
+
+@dataclass
+class FloorInputs:
+    """One standard step's inputs as the kernels take them (numpy, converted once)."""
+
+    move_src: np.ndarray
+    move_dst: np.ndarray
+    swap_src: np.ndarray
+    swap_dst: np.ndarray
+    reset_rows: np.ndarray
+    hidden: np.ndarray  # [H] hidden_dtype
+    carry_req_id: int
+    carry_position: int
+    start_positions: np.ndarray
+    block_table: np.ndarray
+    append_counts: np.ndarray
+    commit_starts: np.ndarray
+    inherited: np.ndarray
+    padded_tokens: int
+    pad_tokens: int
+    padded_requests: int
+
+
+def prepare(steps: List[StepInputs]) -> List[FloorInputs]:
+    """Convert the steps' inputs once, outside any timed loop."""
+    prepared = []
+    for inputs in steps:
+        counts = inputs.append_counts.numpy()
+        prepared.append(FloorInputs(
+            move_src=inputs.move_src, move_dst=inputs.move_dst, swap_src=inputs.swap_src,
+            swap_dst=inputs.swap_dst, reset_rows=inputs.reset_rows,
+            hidden=inputs.hidden.numpy().reshape(-1), carry_req_id=inputs.carry_req_id,
+            carry_position=inputs.carry_position,
+            start_positions=inputs.start_positions.numpy(),
+            block_table=inputs.block_table.numpy(), append_counts=counts,
+            commit_starts=inputs.commit_starts.numpy(), inherited=inputs.inherited.numpy(),
+            padded_tokens=inputs.padded_tokens,
+            pad_tokens=inputs.padded_tokens - int(counts.sum()),
+            padded_requests=inputs.padded_requests))
+    return prepared
+
+
+def floor_step(meta: MTPMetadata, view: Any, inputs: FloorInputs,
+               config: StepConfig) -> None:
+    """The kernels of one standard step on a direct-path ``meta`` (see the module
+    docstring); ``forward_mode`` is left alone."""
+    backend = meta._backend
+    buffers = meta._buffers
+    annotations, scratch = buffers.annotations, buffers.row_scratch
+    native.rows.move_rows(annotations, inputs.move_src, inputs.move_dst, scratch)
+    native.rows.swap_rows(annotations, inputs.swap_src, inputs.swap_dst, scratch)
+    native.rows.reset_rows(annotations, inputs.reset_rows)
+    np.copyto(buffers.chunk_boundary_hidden.numpy().reshape(-1), inputs.hidden)
+    native.carry.record(meta._carry_state, inputs.carry_req_id, inputs.carry_position)
+    native.carry.check_take(meta._carry_state, inputs.carry_req_id, inputs.carry_position)
+    target = meta._target(view)
+    count = config.active
+    padded = -(-count // config.tp) * config.tp
+    backend.begin_decode(count, inputs.start_positions, inputs.block_table)
+    for _ in range(config.depths):
+        backend.decode_step(target, count, padded, False)
+        backend.advance_decode_step(count)
+    counts = inputs.append_counts
+    native.checks.first_outside(counts, 0, 2**31)
+    native.staging.check_commit_inputs(counts, inputs.commit_starts, True,
+                                       config.block_columns, config.block_size)
+    backend.commit_pass(target, counts, inputs.commit_starts, inputs.block_table,
+                        inputs.inherited, inputs.padded_tokens, inputs.pad_tokens,
+                        inputs.padded_requests, inputs.padded_requests)
