@@ -109,3 +109,13 @@ def test_kernel_floor_that_skips_work_is_caught(monkeypatch, capsys):
     monkeypatch.setattr(floor, "floor_step", without_padding)
     assert bench.main(SMALL_FLAGS) == 1
     assert "kernel floor step differs" in capsys.readouterr().err
+
+
+def test_cold_start_runs_new_processes_and_reports_the_warm_median():
+    config = StepConfig(max_requests=32, active=16, block_columns=16, block_size=16,
+                        prefill_tokens=32, depths=2)
+    result = bench.cold_start(config, warm_runs=2)
+    runs = result["warm_cache_runs_s"]
+    assert len(runs) == 2 and all(run > 0 for run in runs)
+    assert result["warm_cache_s"] == pytest.approx(sum(runs) / 2)  # median of two
+    assert result["first_run_s"] > 0
