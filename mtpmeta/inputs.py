@@ -14,14 +14,12 @@ from typing import Any, Optional, Tuple, Union
 import numpy as np
 import torch
 
-from . import native
 from .errors import InvalidDtypeError
 
 __all__ = [
     "as_count",
     "as_host_ints",
     "as_row_indices",
-    "check_rows_in_range",
     "raise_row_out_of_range",
     "is_device_tensor",
     "RowIndex",
@@ -125,25 +123,18 @@ def _row_out_of_range(name: str, row: int, num_rows: int) -> IndexError:
                       f"{num_rows} (valid: -{num_rows} <= row < {num_rows})")
 
 
-def check_rows_in_range(rows: np.ndarray, num_rows: int, name: str) -> None:
-    """IndexError unless every row is in ``[-num_rows, num_rows)`` (torch semantics)."""
-    bad = native.checks.first_outside(rows, -num_rows, num_rows)
-    if bad >= 0:
-        raise _row_out_of_range(name, int(rows[bad]), num_rows)
-
-
 def raise_row_out_of_range(rows: np.ndarray, bad: int, num_rows: int, name: str) -> None:
-    """Raise the IndexError for ``rows[bad]``, the index a row kernel refused."""
+    """Raise the IndexError for ``rows[bad]``, the index a ``native.rows`` kernel refused."""
     raise _row_out_of_range(name, int(rows[bad]), num_rows)
 
 
-def as_row_indices(value: Any, num_rows: int, name: str, *,
-                   checked: bool = True) -> RowIndex:
+def as_row_indices(value: Any, num_rows: int, name: str) -> RowIndex:
     """Row selection in any form torch indexing takes: slice, int, sequence, numpy
     array, tensor, or a boolean mask of length ``num_rows``. Returns a slice or an int
-    array; raises IndexError for a row outside ``[-num_rows, num_rows)``.
-    ``checked=False`` leaves the range check of an index array to the caller's kernel
-    (the ``native.rows`` kernels check before they write).
+    array. A single int is range-checked here (IndexError); an index array is checked
+    against ``[-num_rows, num_rows)`` by the ``native.rows`` kernel that uses it, before
+    that kernel writes anything (``raise_row_out_of_range`` turns its answer into the
+    IndexError).
     """
     if isinstance(value, slice):
         return value
@@ -163,7 +154,4 @@ def as_row_indices(value: Any, num_rows: int, name: str, *,
             array = array.reshape(1)
         if array.ndim != 1:
             raise ValueError(f"{name}: expected a 1-D index, got shape {tuple(array.shape)}")
-        rows = _as_fast_ints(array, name)
-    if checked:
-        check_rows_in_range(rows, num_rows, name)
-    return rows
+        return _as_fast_ints(array, name)

@@ -269,8 +269,7 @@ class MTPMetadata(InputChecks):
             return
         self._require("reset_request_rows")
         annotations = self._buffers.annotations
-        rows = as_row_indices(request_indexes, self.max_requests, "request_indexes",
-                              checked=False)
+        rows = as_row_indices(request_indexes, self.max_requests, "request_indexes")
         if isinstance(rows, slice):
             annotations[rows] = 0
             return
@@ -280,8 +279,8 @@ class MTPMetadata(InputChecks):
 
     def _row_pair(self, method: str, src_idxs: Indices,
                   dst_idxs: Indices) -> Tuple[np.ndarray, np.ndarray]:
-        src = as_row_indices(src_idxs, self.max_requests, "src_idxs", checked=False)
-        dst = as_row_indices(dst_idxs, self.max_requests, "dst_idxs", checked=False)
+        src = as_row_indices(src_idxs, self.max_requests, "src_idxs")
+        dst = as_row_indices(dst_idxs, self.max_requests, "dst_idxs")
         if isinstance(src, slice):
             src = np.arange(self.max_requests)[src]
         if isinstance(dst, slice):

@@ -217,7 +217,8 @@ CASES = [
 
 def _primed(path: str):
     meta = make_metadata(path)
-    meta.request_matched_prefix_blocks[:] = torch.arange(1, 9, dtype=torch.int32)
+    meta.request_matched_prefix_blocks[:] = torch.tensor([1, 2, 3, 4, 5, 6, 1, 2],
+                                                         dtype=torch.int32)
     meta.begin_decode(2, 3, [5, 9], T3, graphed=False)
     meta.stage_decode_lengths()
     meta.carry_chunk_boundary(torch.arange(8, dtype=torch.float32), 42, 17)

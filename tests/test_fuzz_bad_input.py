@@ -51,11 +51,11 @@ STRIDED = settings(max_examples=25, **_SETTINGS)  # x 10 methods x 2 paths
 
 # ------------------------------------------------------------------ state and views
 def _primed(path: str):
-    """Annotations 1..8, a draft loop (n 2, padded 3, offsets [5, 9]) with staged
+    """Annotations 1..W cycling, a draft loop (n 2, padded 3, offsets [5, 9]) with staged
     lengths, a live carry (request 42 at 17), and a sentinel-filled view."""
     meta = MTPMetadata(**config())
     meta.allocate("cpu", mirror=(path == "mirror"), max_tokens=TOKENS)  # small staging: cheap
-    meta.request_matched_prefix_blocks[:] = torch.arange(1, R + 1, dtype=torch.int32)
+    meta.request_matched_prefix_blocks[:] = torch.arange(R, dtype=torch.int32) % W + 1
     meta.begin_decode(2, 3, [5, 9], T3, graphed=False)
     meta.stage_decode_lengths()
     meta.carry_chunk_boundary(torch.arange(H, dtype=torch.float32), 42, 17)

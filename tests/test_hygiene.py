@@ -8,6 +8,8 @@ a moved buffer makes a captured graph write freed memory.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from mtpmeta import VIEW_FIELDS, ContextGPUView, MTPMetadata
@@ -18,6 +20,11 @@ from mtpmeta.workload import StepConfig, make_steps, run_commit, run_step
 SMALL = StepConfig(max_requests=32, block_columns=16, block_size=16, active=24, depths=3,
                    prefill_tokens=40, inherited_blocks=2, moves=4, swaps=2, resets=4)
 STANDARD = StepConfig()
+# MTPMETA_DEBUG=1 runs check_invariants after every call, which reads every buffer with
+# torch ops on purpose; op counts then measure the checker, not the production path.
+counts_production_ops = pytest.mark.skipif(
+    os.environ.get("MTPMETA_DEBUG") == "1",
+    reason="MTPMETA_DEBUG=1: the invariant checks issue torch ops of their own")
 
 
 def _library(config: StepConfig, mirror: bool):
@@ -105,6 +112,7 @@ def test_commit_pass_allocates_nothing_in_steady_state(mirror):
     assert counter.new_storages == 0, counter.new_storage_ops
 
 
+@counts_production_ops
 def test_direct_draft_loop_issues_no_torch_op_at_all():
     """On the direct path the kernels write the CPU buffers in place: a draft depth
     dispatches no torch op."""
@@ -121,6 +129,7 @@ def test_direct_draft_loop_issues_no_torch_op_at_all():
     assert counter.total == 0, counter.ops
 
 
+@counts_production_ops
 def test_standard_step_mirror_ops_at_most_a_quarter_of_reference(capsys):
     """Torch ops per standard step: the mirror path issues at most 1/4 of the
     reference's, with zero syncs against the reference's five. (Counts, not times.)"""

@@ -19,7 +19,8 @@ TABLE = [[10, 11, 12, 13, 14, 15], [20, 21, 22, 23, 24, 25]]
 
 def _dirty(meta: MTPMetadata) -> None:
     """Put something non-initial into every buffer and every piece of state."""
-    meta.request_matched_prefix_blocks[:] = torch.arange(1, 9, dtype=torch.int32)
+    meta.request_matched_prefix_blocks[:] = torch.tensor([1, 2, 3, 4, 5, 6, 1, 2],
+                                                         dtype=torch.int32)
     meta.begin_decode(2, 3, torch.tensor([5, 9]), torch.tensor(TABLE), graphed=True)
     meta.stage_decode_lengths()
     meta.carry_chunk_boundary(torch.full((8,), 2.5), req_id=42, position=17)

@@ -1,6 +1,7 @@
 """SPEC §3 (request-row annotations) and §4 (chunked-prefill boundary carry), by hand.
 
-Geometry: R = 8, H = 8. Rows start as ``[10, 11, ..., 17]`` so every row is distinct.
+Geometry: R = 8, H = 8, W = 20. Rows start as ``[10, 11, ..., 17]`` so every row is
+distinct (W is wide enough for them to be valid inherited-block counts).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ START = [10, 11, 12, 13, 14, 15, 16, 17]
 
 
 def _rows(path: str) -> MTPMetadata:
-    meta = make_metadata(path)
+    meta = make_metadata(path, max_kv_block_count=20)
     meta.request_matched_prefix_blocks[:] = torch.tensor(START, dtype=torch.int32)
     return meta
 
