@@ -15,7 +15,7 @@ import timeit
 import torch
 
 from mtpmeta.bench import build
-from mtpmeta.workload import StepConfig, make_steps
+from mtpmeta.workload import StepConfig, make_steps, run_commit
 
 
 def main() -> None:
@@ -33,14 +33,6 @@ def main() -> None:
     def begin() -> None:
         meta.begin_decode(count, padded, inputs.start_positions, inputs.block_table, False)
 
-    def commit() -> None:
-        meta.setup_commit_pass(view, inputs.append_counts, inputs.block_table,
-                               start_positions=inputs.commit_starts,
-                               inherited_blocks=inputs.inherited,
-                               padded_token_count=inputs.padded_tokens,
-                               padded_request_count=inputs.padded_requests)
-        meta.end_forward()
-
     calls = {
         "move_request_rows": lambda: meta.move_request_rows(inputs.move_src, inputs.move_dst),
         "swap_request_rows": lambda: meta.swap_request_rows(inputs.swap_src, inputs.swap_dst),
@@ -54,7 +46,7 @@ def main() -> None:
         # Offsets only grow here; nothing reads them until the next begin_decode.
         "advance_decode_step": meta.advance_decode_step,
         "end_forward": meta.end_forward,
-        "setup_commit_pass + end_forward": commit,
+        "setup_commit_pass + end_forward": lambda: run_commit(meta, view, inputs),
     }
     print(f"{args.impl}: µs per call, best of 5 x {args.number}")
     for name, call in calls.items():
