@@ -46,9 +46,9 @@ class InputChecks:
             raise ValueError(f"padded_count: {padded} < active_request_count {count}")
         return padded
 
-    def _check_decode_shapes(self, starts: np.ndarray, table: np.ndarray,
-                             count: int) -> None:
-        """Shapes of host draft inputs; the values are checked by the copy kernel."""
+    def _check_decode_shapes(self, starts: Any, table: Any, count: int) -> None:
+        """Shapes of draft inputs (host arrays or device tensors). Host values are
+        checked by the copy kernel; device values are not read (that would sync)."""
         if starts.shape[0] < count:
             raise ValueError(f"start_positions: {starts.shape[0]} entries < "
                              f"active_request_count {count}")
@@ -68,12 +68,7 @@ class InputChecks:
                                     count: int) -> None:
         self._check_device_tensors((("start_positions", starts, 1),
                                     ("block_table_src", table, 2)))
-        if starts.shape[0] < count:
-            raise ValueError(f"start_positions: shape {tuple(starts.shape)}, expected "
-                             f"[>= active_request_count {count}]")
-        if table.shape[0] < count or table.shape[1] != self.max_kv_block_count:
-            raise ValueError(f"block_table_src: shape {tuple(table.shape)}, expected "
-                             f"[>= {count}, max_kv_block_count {self.max_kv_block_count}]")
+        self._check_decode_shapes(starts, table, count)
 
     def _check_block_column(self, name: str, position: int,
                             columns: Optional[int] = None) -> None:
