@@ -10,18 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import Optional
+
 import numpy as np
 import torch
 
-__all__ = ["PersistentBuffers", "host_tensor"]
+from .runtime import DeviceRuntime, get_runtime
 
-
-def host_tensor(shape, dtype: torch.dtype, *, fill: int = 0) -> torch.Tensor:
-    """A host tensor, pinned when CUDA is present (pinning needs a CUDA runtime)."""
-    pinned = torch.cuda.is_available()
-    tensor = torch.empty(shape, dtype=dtype, pin_memory=pinned)
-    tensor.fill_(fill)
-    return tensor
+__all__ = ["PersistentBuffers"]
 
 
 @dataclass
@@ -42,8 +38,12 @@ class PersistentBuffers:
     @classmethod
     def allocate(cls, *, max_requests: int, max_kv_block_count: int, dummy_block_idx: int,
                  block_table_dtype: torch.dtype, hidden_size: int,
-                 hidden_dtype: torch.dtype, device: torch.device) -> "PersistentBuffers":
-        annotations = host_tensor((max_requests,), torch.int32)
+                 hidden_dtype: torch.dtype, device: torch.device,
+                 runtime: Optional[DeviceRuntime] = None) -> "PersistentBuffers":
+        runtime = runtime if runtime is not None else get_runtime()
+        # [R] int32 host, pinned when CUDA is present.
+        annotations = runtime.host_empty((max_requests,), torch.int32)
+        annotations.zero_()
         # [2, R] int32: query and KV length staging side by side, so a copy of both
         # rows of a prefix is one strided op.
         lengths = torch.zeros((2, max_requests), dtype=torch.int32, device=device)

@@ -25,6 +25,7 @@ from .errors import (
     NotAllocatedError,
 )
 from .gpu_view import ViewCache, ViewTarget
+from .runtime import get_runtime
 from .inputs import (as_count, as_host_ints, as_row_indices, is_device_tensor,
                      raise_row_out_of_range)
 from .types import ForwardRecord, ForwardShape, MTPForwardMode
@@ -178,7 +179,8 @@ class MTPMetadata(InputChecks):
 
     # ------------------------------------------------------------------ lifecycle
     def allocate(self, device: Union[torch.device, str], *,
-                 mirror: Optional[bool] = None, max_tokens: int = 16384) -> None:
+                 mirror: Optional[bool] = None, max_tokens: int = 16384,
+                 staging_slots: int = 4) -> None:
         """Reserve the persistent buffers (and the host staging). No-op when disabled.
 
         Args:
@@ -190,6 +192,13 @@ class MTPMetadata(InputChecks):
                 (tokens one ``write_token_maps``/commit pass writes). A larger forward
                 re-sizes the staging once, outside the draft loop (which stages at most
                 ``max_requests`` tokens). Unused on the direct path.
+            staging_slots: pinned slots per staging ring on the mirror path: how many
+                staged forwards the host may run ahead of the device before a fence
+                wait stalls it (see README "Mirror path costs"). Unused on the direct
+                path.
+
+        The device runtime (streams, events, pinned memory; ``mtpmeta.runtime``) in
+        effect now is the one these buffers use for their lifetime.
         """
         if not self.enabled:
             return
@@ -204,16 +213,20 @@ class MTPMetadata(InputChecks):
             raise ValueError(f"allocate: mirror=False needs a CPU device, got {device}")
         as_count(max_tokens, "max_tokens", low=1, high=INT32_LIMIT - 1,
                  high_name="int32 token index limit")
+        as_count(staging_slots, "staging_slots", low=2, high=64, high_name="slot limit")
+        runtime = get_runtime()
         buffers = PersistentBuffers.allocate(
             max_requests=self.max_requests, max_kv_block_count=self.max_kv_block_count,
             dummy_block_idx=self.dummy_block_idx, block_table_dtype=self.block_table_dtype,
-            hidden_size=self.hidden_size, hidden_dtype=self.hidden_dtype, device=device)
+            hidden_size=self.hidden_size, hidden_dtype=self.hidden_dtype, device=device,
+            runtime=runtime)
         if mirror:
             from .mirror import MirrorBackend
 
             backend = MirrorBackend(buffers, max_requests=self.max_requests,
                                     block_size=self.block_size_tokens,
-                                    dummy=self.dummy_block_idx, max_tokens=max_tokens)
+                                    dummy=self.dummy_block_idx, max_tokens=max_tokens,
+                                    num_slots=staging_slots, runtime=runtime)
         else:
             backend = DirectBackend(buffers, max_requests=self.max_requests,
                                     block_size=self.block_size_tokens,

@@ -29,7 +29,8 @@ from . import native
 from .buffers import PersistentBuffers
 from .gpu_view import ViewTarget
 from .inputs import kernel_optional
-from .staging import BoundedCache, CopyFence, ShadowLayout, StagingRing, numpy_dtype, paired
+from .runtime import DeviceRuntime, get_runtime
+from .staging import BoundedCache, ShadowLayout, StagingRing, numpy_dtype, paired
 
 __all__ = ["MirrorBackend"]
 
@@ -57,7 +58,9 @@ class MirrorBackend:
 
     def __init__(self, buffers: PersistentBuffers, *, max_requests: int, block_size: int,
                  dummy: int, max_tokens: int, num_slots: int = 4,
-                 fence_factory: Callable[[torch.device], object] = CopyFence) -> None:
+                 runtime: Optional[DeviceRuntime] = None) -> None:
+        runtime = runtime if runtime is not None else get_runtime()
+        self.runtime = runtime
         self.buffers = buffers
         self.max_requests = max_requests
         self.block_size = block_size
@@ -78,20 +81,19 @@ class MirrorBackend:
         self._begin_layout = ShadowLayout.build((torch.int32, table_dtype),
                                                 ((max_requests,), (max_requests, width)))
         self._begin_ring = StagingRing(self._begin_layout.nbytes, num_slots, self.device,
-                                       fence_factory)
+                                       runtime)
         self._begin_fields = [self._begin_layout.numpy_fields(self._begin_ring.host_np[i])
                               for i in range(num_slots)]
         self._begin_tensors = [self._begin_layout.tensor_fields(self._begin_ring.slots[i])
                                for i in range(num_slots)]
         # stage_prefill_lengths staging: [R + 1] int32.
         self._lengths_ring = StagingRing(4 * (max_requests + 1), num_slots, self.device,
-                                         fence_factory)
+                                         runtime)
         # Forward staging: a shadow of the view, sized for 8-byte fields at capacity.
         capacity = self._shadow_layout([_WIDEST] * 10, max_tokens, max_requests, width)
-        self._fence_factory = fence_factory
         self._generation = 0  # bumped when the forward staging is re-sized
         self._forward_ring = StagingRing(capacity.nbytes, num_slots, self.device,
-                                         fence_factory)
+                                         runtime)
         # [capacity] uint8 device twin of one forward slot: the H2D copy lands here.
         self._device_stage = torch.zeros(capacity.nbytes, dtype=torch.uint8,
                                          device=self.device)
@@ -123,7 +125,7 @@ class MirrorBackend:
             fence.wait()
         ring = self._forward_ring
         self._forward_ring = StagingRing(nbytes, ring.num_slots, self.device,
-                                         self._fence_factory)
+                                         self.runtime)
         self._device_stage = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
         self._generation += 1
 

@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tupl
 import numpy as np
 import torch
 
-from .buffers import host_tensor
+from .runtime import CopyFence, DeviceRuntime, get_runtime
 
 __all__ = ["CopyFence", "StagingRing", "BoundedCache", "ShadowLayout", "paired",
            "numpy_dtype"]
@@ -41,28 +41,6 @@ def numpy_dtype(dtype: torch.dtype) -> np.dtype:
     return np.dtype(_NUMPY_DTYPES[dtype])
 
 
-class CopyFence:
-    """Marks the point after which the device no longer reads a staging slot.
-
-    CUDA: an event recorded on the current stream; ``wait`` blocks the host only while
-    that copy is still in flight (``cudaEventSynchronize``, not a stream sync).
-    CPU: copies are synchronous, so both calls are no-ops.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self._event = torch.cuda.Event() if device.type == "cuda" else None
-        self._recorded = False
-
-    def record(self) -> None:
-        if self._event is not None:
-            self._event.record()
-        self._recorded = True
-
-    def wait(self) -> None:
-        if self._event is not None and self._recorded and not self._event.query():
-            self._event.synchronize()
-
-
 class StagingRing:
     """``num_slots`` pinned byte slots of ``slot_bytes`` each, handed out round robin.
 
@@ -71,13 +49,15 @@ class StagingRing:
     """
 
     def __init__(self, slot_bytes: int, num_slots: int, device: torch.device,
-                 fence_factory: Callable[[torch.device], Any] = CopyFence) -> None:
+                 runtime: Optional[DeviceRuntime] = None) -> None:
+        runtime = runtime if runtime is not None else get_runtime()
         self.slot_bytes = slot_bytes
-        # [num_slots, slot_bytes] uint8, pinned when CUDA is present.
-        self.host = host_tensor((num_slots, max(slot_bytes, _ALIGN)), torch.uint8)
+        # [num_slots, slot_bytes] uint8, page-locked (pinned) host memory from the runtime.
+        self.host = runtime.host_empty((num_slots, max(slot_bytes, _ALIGN)), torch.uint8)
+        self.host.zero_()
         self.host_np = self.host.numpy()
         self.slots: List[torch.Tensor] = [self.host[i] for i in range(num_slots)]
-        self.fences = [fence_factory(device) for _ in range(num_slots)]
+        self.fences = [runtime.fence(device) for _ in range(num_slots)]
         self._next = 0
 
     @property

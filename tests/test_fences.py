@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from mtpmeta import ContextGPUView
-from mtpmeta.staging import CopyFence, StagingRing
+from mtpmeta.runtime import CopyFence, TorchRuntime
+from mtpmeta.staging import StagingRing
 
 
 class RecordingFence:
@@ -31,6 +32,13 @@ class RecordingFence:
 RecordingFence.instances = []
 
 
+class RecordingRuntime(TorchRuntime):
+    """The real runtime with its fence factory swapped for ``RecordingFence``."""
+
+    def fence(self, device):
+        return RecordingFence(device)
+
+
 def _fresh_fences():
     RecordingFence.instances = []
     RecordingFence.journal = []
@@ -40,7 +48,7 @@ def test_ring_waits_on_the_slot_it_hands_out_before_reuse():
     """acquire() waits on exactly the fence of the slot it returns, round robin, so
     slot k is rewritten only after the fence recorded by its previous release."""
     _fresh_fences()
-    ring = StagingRing(64, 3, torch.device("cpu"), RecordingFence)
+    ring = StagingRing(64, 3, torch.device("cpu"), RecordingRuntime())
     order = []
     for _ in range(7):
         slot = ring.acquire()
@@ -74,7 +82,7 @@ def test_mirror_backend_records_after_issuing_and_waits_before_restaging():
     backend = MirrorBackend(buffers, max_requests=kwargs["max_requests"],
                             block_size=kwargs["block_size_tokens"],
                             dummy=kwargs["dummy_block_idx"], max_tokens=64, num_slots=2,
-                            fence_factory=RecordingFence)
+                            runtime=RecordingRuntime())
     from mtpmeta.gpu_view import ViewTarget
     import numpy as np
 
