@@ -63,7 +63,7 @@ class DirectBackend:
         return native.staging.decode_step(self.host_offsets, self._block_table, count,
                                           padded, self.block_size, self.dummy,
                                           self._query_lengths, self._kv_lengths,
-                                          *target.arrays)
+                                          *target.token_arrays, *target.request_arrays)
 
     # ---------------------------------------------------------------- commit pass
     def stage_prefill_lengths(self, counts: np.ndarray, pad_tokens: int) -> int:
@@ -77,7 +77,8 @@ class DirectBackend:
         _, staged, padded_requests, max_len = native.staging.commit_pass(
             counts, *kernel_optional(starts), table, *kernel_optional(inherited),
             padded_tokens, pad_tokens, self.max_requests, min_padded_requests,
-            self.block_size, self.dummy, self._query_lengths, *target.arrays)
+            self.block_size, self.dummy, self._query_lengths, *target.token_arrays,
+            *target.request_arrays)
         return staged, padded_requests, max_len
 
     # -------------------------------------------------------------------- writers
@@ -86,11 +87,16 @@ class DirectBackend:
                          inherited: Optional[np.ndarray], padded: int) -> None:
         native.staging.write_token_maps(
             rows, positions, table, *kernel_optional(inherited), padded, self.block_size,
-            self.dummy, *target.arrays[:5])
+            self.dummy, *target.token_arrays)
 
     def write_mha_metadata(self, target: ViewTarget, query_lengths: np.ndarray,
                            kv_lengths: np.ndarray, count: int, table: np.ndarray,
                            padded: int) -> None:
         native.staging.write_mha_metadata(query_lengths, kv_lengths, count, table,
                                           table.shape[0], padded, self.dummy,
-                                          *target.arrays[5:])
+                                          *target.request_arrays)
+
+    # ---------------------------------------------------------------- chunk carry
+    def carry_hidden(self, source) -> None:
+        """Copy ``source`` (broadcastable to ``[1, 1, H]``) into the carry buffer."""
+        self.buffers.chunk_boundary_hidden.copy_(source)

@@ -19,8 +19,10 @@ import numpy as np
 import torch
 
 from .errors import InvalidDtypeError
+from .layout import PackedLayout, record_type
 
-__all__ = ["ContextGPUView", "ViewField", "VIEW_FIELDS", "TOKEN_FIELDS", "MHA_FIELDS"]
+__all__ = ["ContextGPUView", "ViewField", "VIEW_FIELDS", "ViewFields", "kernel_args",
+           "view_entries"]
 
 
 @dataclass(frozen=True)
@@ -36,14 +38,21 @@ class ViewField:
     dims: Tuple[str, ...]
     meaning: str
 
-    def shape(self, max_requests: int, max_tokens: int, max_kv_blocks: int) -> Tuple[int, ...]:
+    def shape(self, max_requests: Optional[int], max_tokens: int,
+              max_kv_blocks: int) -> Tuple[int, ...]:
+        """The field's shape; ``max_requests=None`` gives every request dim (the
+        cumulative one included) length 0, for a forward without MHA metadata."""
         sizes = {
             "tokens": max_tokens,
-            "requests": max_requests,
-            "requests+1": max_requests + 1,
+            "requests": max_requests or 0,
+            "requests+1": 0 if max_requests is None else max_requests + 1,
             "blocks": max_kv_blocks,
         }
         return tuple(sizes[d] for d in self.dims)
+
+    @property
+    def per_token(self) -> bool:
+        return self.dims == ("tokens",)
 
 
 # Order is layout order: the int64 field first (8-byte alignment), then the int32 token
@@ -66,10 +75,41 @@ VIEW_FIELDS: Tuple[ViewField, ...] = (
     ViewField("mha_block_table", torch.int32, ("requests", "blocks"),
               "block ids each request reads; -1 rows are padding"),
 )
-TOKEN_FIELDS: Tuple[str, ...] = tuple(f.name for f in VIEW_FIELDS if f.dims == ("tokens",))
-MHA_FIELDS: Tuple[str, ...] = tuple(f.name for f in VIEW_FIELDS if f.dims != ("tokens",))
-_FIELD_GETTER = operator.attrgetter(*(f.name for f in VIEW_FIELDS))
-_FIELD_NAMES = frozenset(f.name for f in VIEW_FIELDS)
+# The fields by name: ``ViewFields`` holds one value per field (a tensor, an array, a
+# dtype...), whatever the table's order. Code reads ``fields.mha_block_table``.
+ViewFields = record_type(tuple(sorted(f.name for f in VIEW_FIELDS)))
+_FIELD_NAMES = frozenset(ViewFields._fields)
+_FIELD_GETTER = operator.attrgetter(*ViewFields._fields)
+
+# The numba kernels (native/staging.py) take the view's fields as positional arguments
+# in these orders: a calling convention fixed by their signatures, not a layout.
+_TOKEN_ARGS = ("token_to_pos_ids", "token_to_block_idx",
+               "token_to_local_position_within_kv_block", "token_to_request_idx",
+               "token_to_position_in_request")
+_REQUEST_ARGS = ("mha_query_lengths", "mha_kv_seq_lengths", "mha_cu_query_seq_lengths",
+                 "mha_cu_kv_seq_lengths", "mha_block_table")
+if set(_TOKEN_ARGS) | set(_REQUEST_ARGS) != _FIELD_NAMES:  # table/kernel drift guard
+    raise RuntimeError("VIEW_FIELDS and the kernels' field arguments disagree")
+_token_getter = operator.attrgetter(*_TOKEN_ARGS)
+_request_getter = operator.attrgetter(*_REQUEST_ARGS)
+
+
+def kernel_args(fields: Any) -> Tuple[Tuple[Any, ...], Tuple[Any, ...]]:
+    """``(token_args, request_args)``: the five per-token and the five per-request
+    fields of ``fields`` (anything with the field names as attributes), in the order
+    the numba kernels take them."""
+    return _token_getter(fields), _request_getter(fields)
+
+
+def view_entries(max_requests: Optional[int], max_tokens: int, max_kv_blocks: int,
+                 dtypes: Any = None) -> Tuple[Tuple[str, torch.dtype, Tuple[int, ...]], ...]:
+    """``(name, dtype, shape)`` of every field in table order, for ``PackedLayout``.
+
+    ``dtypes`` (by field name) overrides the table's dtypes, e.g. with those of a
+    caller's view; ``max_requests=None`` sizes every request field 0.
+    """
+    return tuple((f.name, f.dtype if dtypes is None else getattr(dtypes, f.name),
+                  f.shape(max_requests, max_tokens, max_kv_blocks)) for f in VIEW_FIELDS)
 
 
 class ContextGPUView:
@@ -108,24 +148,12 @@ class ContextGPUView:
         self.max_requests = int(max_requests)
         self.max_tokens = int(max_tokens)
         self.max_kv_blocks = int(max_kv_blocks)
-        layout = []
-        offset = 0
-        for spec in VIEW_FIELDS:
-            shape = spec.shape(self.max_requests, self.max_tokens, self.max_kv_blocks)
-            itemsize = torch.empty((), dtype=spec.dtype).element_size()
-            offset = -(-offset // itemsize) * itemsize
-            nbytes = itemsize * int(np.prod(shape))
-            layout.append((spec, shape, offset, nbytes))
-            offset += nbytes
+        layout = PackedLayout.build(view_entries(self.max_requests, self.max_tokens,
+                                                 self.max_kv_blocks))
         # [nbytes] uint8: every field below is a typed view of this one allocation.
-        self.buffer = torch.zeros(offset, dtype=torch.uint8, device=device)
-        for spec, shape, start, nbytes in layout:
-            view = self.buffer[start:start + nbytes].view(spec.dtype).view(shape)
-            setattr(self, spec.name, view)
-        end = layout[-1][2] + layout[-1][3]
-        if end != self.buffer.numel():  # layout bug guard, not an input check
-            raise RuntimeError(f"ContextGPUView layout: fields end at {end}, "
-                               f"buffer holds {self.buffer.numel()} bytes")
+        self.buffer = torch.zeros(layout.nbytes, dtype=torch.uint8, device=device)
+        for name, view in zip(layout.names, layout.tensors(self.buffer)):
+            setattr(self, name, view)
 
     @property
     def device(self) -> torch.device:
@@ -144,21 +172,23 @@ class ContextGPUView:
 class ViewTarget:
     """What the writers need from one destination view, checked once.
 
-    ``tensors`` holds the ten fields in ``VIEW_FIELDS`` order; ``arrays`` their numpy
-    views when the view lives on the CPU (else ``None``). ``max_tokens`` is the shortest
-    token field, ``max_requests`` the shortest request field (cu arrays count one less),
-    ``width`` the block-table width. ``plans`` caches the mirror path's per-shape copy
-    plans against this view, so they die with it. ``generation`` is the view's
-    ``field_generation`` when it is exactly a ``ContextGPUView`` (else None).
+    ``fields`` holds the ten field tensors by name (``ViewFields``); on a CPU view
+    ``arrays`` holds their numpy views and ``token_arrays`` / ``request_arrays`` the
+    same in the kernels' argument order (else all three are ``None``). ``max_tokens``
+    is the shortest token field, ``max_requests`` the shortest request field (cu arrays
+    count one less), ``width`` the block-table width. ``plans`` caches the mirror
+    path's per-shape copy plans against this view, so they die with it. ``generation``
+    is the view's ``field_generation`` when it is exactly a ``ContextGPUView`` (else
+    None).
     """
 
-    __slots__ = ("tensors", "arrays", "max_tokens", "max_requests", "width", "device",
-                 "plans", "generation", "__weakref__")
+    __slots__ = ("fields", "arrays", "token_arrays", "request_arrays", "max_tokens",
+                 "max_requests", "width", "device", "plans", "generation", "__weakref__")
 
     def __init__(self, gpu_view: Any) -> None:
         self.generation: Optional[int] = (gpu_view.field_generation
                                           if type(gpu_view) is ContextGPUView else None)
-        tensors = []
+        tensors = {}
         for spec in VIEW_FIELDS:
             tensor = getattr(gpu_view, spec.name, None)
             if not isinstance(tensor, torch.Tensor):
@@ -171,26 +201,28 @@ class ViewTarget:
             if tensor.dim() != len(spec.dims):
                 raise ValueError(f"gpu_view.{spec.name}: expected {len(spec.dims)}-D, got "
                                  f"shape {tuple(tensor.shape)}")
-            tensors.append(tensor)
-        self.tensors: Tuple[torch.Tensor, ...] = tuple(tensors)
-        self.device = tensors[0].device
-        for spec, tensor in zip(VIEW_FIELDS, tensors):
+            tensors[spec.name] = tensor
+        fields = ViewFields(**tensors)
+        self.fields = fields
+        self.device = next(iter(tensors.values())).device
+        for name, tensor in tensors.items():
             if tensor.device != self.device:
-                raise ValueError(f"gpu_view.{spec.name}: on {tensor.device}, other fields "
+                raise ValueError(f"gpu_view.{name}: on {tensor.device}, other fields "
                                  f"on {self.device}")
-        by_name = dict(zip((f.name for f in VIEW_FIELDS), tensors))
-        self.max_tokens = min(by_name[name].shape[0] for name in TOKEN_FIELDS)
+        self.max_tokens = min(tensors[f.name].shape[0] for f in VIEW_FIELDS if f.per_token)
         self.max_requests = min(
-            by_name["mha_query_lengths"].shape[0], by_name["mha_kv_seq_lengths"].shape[0],
-            by_name["mha_cu_query_seq_lengths"].shape[0] - 1,
-            by_name["mha_cu_kv_seq_lengths"].shape[0] - 1,
-            by_name["mha_block_table"].shape[0])
-        self.width = by_name["mha_block_table"].shape[1]
-        self.arrays: Optional[Tuple[np.ndarray, ...]] = None
+            fields.mha_query_lengths.shape[0], fields.mha_kv_seq_lengths.shape[0],
+            fields.mha_cu_query_seq_lengths.shape[0] - 1,
+            fields.mha_cu_kv_seq_lengths.shape[0] - 1, fields.mha_block_table.shape[0])
+        self.width = fields.mha_block_table.shape[1]
+        self.arrays: Optional[Any] = None
+        self.token_arrays: Optional[Tuple[np.ndarray, ...]] = None
+        self.request_arrays: Optional[Tuple[np.ndarray, ...]] = None
         # Copy plans of the mirror path built against this view (views, never data).
         self.plans: Dict[Any, Any] = {}
         if self.device.type == "cpu":
-            self.arrays = tuple(t.numpy() for t in tensors)
+            self.arrays = ViewFields(**{name: t.numpy() for name, t in tensors.items()})
+            self.token_arrays, self.request_arrays = kernel_args(self.arrays)
 
     def still_matches(self, gpu_view: Any) -> bool:
         """True while every field attribute is still the tensor this target was built on.
@@ -204,7 +236,7 @@ class ViewTarget:
             current = _FIELD_GETTER(gpu_view)
         except AttributeError:
             return False
-        return all(map(operator.is_, current, self.tensors))
+        return all(map(operator.is_, current, self.fields))
 
 
 class ViewCache:

@@ -368,14 +368,13 @@ class MTPMetadata(InputChecks):
             raise ValueError(f"hidden: {hidden.numel()} elements (shape "
                              f"{tuple(hidden.shape)}), expected hidden_size "
                              f"{self.hidden_size}")
-        target = self._buffers.chunk_boundary_hidden
         # [H], [1, H] and [1, 1, H] (H elements, last dim H) broadcast into the buffer as
         # they are; other shapes with H elements are reshaped first.
         source = hidden if 0 < hidden.dim() <= 3 and hidden.size(-1) == self.hidden_size \
-            else hidden.reshape(target.shape)
+            else hidden.reshape(self._buffers.chunk_boundary_hidden.shape)
         if source.requires_grad:
             source = source.detach()  # never let the persistent buffer join a graph
-        target.copy_(source, non_blocking=True)
+        self._backend.carry_hidden(source)
         native.carry.record(self._carry_state, req_id, position)
 
     def take_chunk_boundary(self, req_id: int, seam_position: int) -> Tensor:

@@ -5,6 +5,9 @@ Everything the mirror path asks of CUDA *besides* plain torch ops goes through o
 
 * ``host_empty(shape, dtype)`` -- page-locked host memory for staging (pinned when CUDA
   is present), so ``non_blocking`` copies from it are truly asynchronous;
+* ``is_host(tensor)`` -- whether a tensor lives in host memory (then the mirror path
+  stages it through pinned memory before an async copy, never copying pageable memory
+  ``non_blocking``);
 * ``fence(device)`` -- a ``CopyFence`` that marks when the device stops reading a
   staging slot (the fence factory of the staging rings);
 * ``event(device)`` / ``current_stream(device)`` -- what a fence records, and where;
@@ -36,6 +39,7 @@ class DeviceRuntime(Protocol):
     """What the mirror path needs from the device beyond torch ops (see module doc)."""
 
     def host_empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor: ...
+    def is_host(self, tensor: torch.Tensor) -> bool: ...
     def event(self, device: torch.device) -> Optional[DeviceEvent]: ...
     def current_stream(self, device: torch.device) -> Any: ...
     def is_capturing(self, device: torch.device) -> bool: ...
@@ -80,6 +84,9 @@ class TorchRuntime:
 
     def host_empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(tuple(shape), dtype=dtype, pin_memory=torch.cuda.is_available())
+
+    def is_host(self, tensor: torch.Tensor) -> bool:
+        return tensor.is_cpu
 
     def event(self, device: torch.device) -> Optional[DeviceEvent]:
         return torch.cuda.Event() if device.type == "cuda" else None

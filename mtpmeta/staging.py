@@ -8,48 +8,40 @@ the view (fields that sit side by side in the view, like upstream's, go as one s
 group copy). This is the FlashInfer ``plan()`` / kestrel ``PackedBuffer`` pattern.
 
 Fencing: a slot is never rewritten while a copy from it may still be in flight. Each
-slot owns a ``CopyFence`` recorded after its copies are issued; ``StagingRing.acquire``
-waits on the fence of the slot it hands out (double buffering generalised to N slots).
-On the CPU the fence is a no-op, but the ring's ordering is the same and unit-tested.
+slot owns a ``CopyFence`` (``mtpmeta.runtime``) recorded after every op that reads the
+slot (or the slot's device-side stage) was issued; ``StagingRing.acquire`` waits on the
+fence of the slot it hands out (double buffering generalised to N slots). On the CPU
+the fence is a no-op; the CUDA-semantics simulator of the tests gives it real meaning.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
-from .runtime import CopyFence, DeviceRuntime, get_runtime
+from .runtime import DeviceRuntime, get_runtime
 
-__all__ = ["CopyFence", "StagingRing", "BoundedCache", "ShadowLayout", "paired",
-           "numpy_dtype"]
+__all__ = ["StagingRing", "BoundedCache", "paired"]
 
 _ALIGN = 8
-
-
-_NUMPY_DTYPES = {torch.int8: np.int8, torch.int16: np.int16, torch.int32: np.int32,
-                 torch.int64: np.int64, torch.uint8: np.uint8}
-for _bits in (16, 32, 64):
-    if hasattr(torch, f"uint{_bits}"):
-        _NUMPY_DTYPES[getattr(torch, f"uint{_bits}")] = getattr(np, f"uint{_bits}")
-
-
-def numpy_dtype(dtype: torch.dtype) -> np.dtype:
-    """The numpy dtype of an integer torch dtype."""
-    return np.dtype(_NUMPY_DTYPES[dtype])
 
 
 class StagingRing:
     """``num_slots`` pinned byte slots of ``slot_bytes`` each, handed out round robin.
 
     ``acquire()`` returns the next slot index after waiting on that slot's fence;
-    ``release(slot)`` records the fence once the copies reading the slot are issued.
+    ``release(slot)`` records the fence once every op reading the slot is issued. With
+    ``device_twin`` each slot also owns ``device_slots[slot]``, a device buffer of the
+    same size that the slot's H2D copy lands in and the device ops then read: one per
+    slot, so a forward on another stream can never overwrite it mid-scatter, and it is
+    covered by the same fence.
     """
 
     def __init__(self, slot_bytes: int, num_slots: int, device: torch.device,
-                 runtime: Optional[DeviceRuntime] = None) -> None:
+                 runtime: Optional[DeviceRuntime] = None, *,
+                 device_twin: bool = False) -> None:
         runtime = runtime if runtime is not None else get_runtime()
         self.slot_bytes = slot_bytes
         # [num_slots, slot_bytes] uint8, page-locked (pinned) host memory from the runtime.
@@ -58,6 +50,10 @@ class StagingRing:
         self.host_np = self.host.numpy()
         self.slots: List[torch.Tensor] = [self.host[i] for i in range(num_slots)]
         self.fences = [runtime.fence(device) for _ in range(num_slots)]
+        # [num_slots, slot_bytes] uint8 on the device, or None.
+        self.device_slots: Optional[torch.Tensor] = (
+            torch.zeros((num_slots, max(slot_bytes, _ALIGN)), dtype=torch.uint8,
+                        device=device) if device_twin else None)
         self._next = 0
 
     @property
@@ -92,48 +88,6 @@ class BoundedCache:
 
     def clear(self) -> None:
         self._entries.clear()
-
-
-@dataclass(frozen=True)
-class ShadowLayout:
-    """Tight byte layout of a shadow view: field ``i`` holds ``shapes[i]`` of
-    ``dtypes[i]`` at byte ``offsets[i]`` (8-byte aligned); ``nbytes`` in all."""
-
-    dtypes: Tuple[torch.dtype, ...]
-    shapes: Tuple[Tuple[int, ...], ...]
-    offsets: Tuple[int, ...]
-    nbytes: int
-
-    @classmethod
-    def build(cls, dtypes: Sequence[torch.dtype],
-              shapes: Sequence[Tuple[int, ...]]) -> "ShadowLayout":
-        offsets = []
-        offset = 0
-        for dtype, shape in zip(dtypes, shapes):
-            offset = -(-offset // _ALIGN) * _ALIGN
-            offsets.append(offset)
-            offset += int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        return cls(tuple(dtypes), tuple(tuple(s) for s in shapes), tuple(offsets),
-                   -(-offset // _ALIGN) * _ALIGN)
-
-    def numpy_fields(self, slot_bytes: np.ndarray) -> Tuple[np.ndarray, ...]:
-        """Typed numpy views of each field inside one host slot (no torch op)."""
-        fields = []
-        for dtype, shape, offset in zip(self.dtypes, self.shapes, self.offsets):
-            np_dtype = numpy_dtype(dtype)
-            count = int(np.prod(shape, dtype=np.int64))
-            raw = slot_bytes[offset:offset + count * np_dtype.itemsize]
-            fields.append(raw.view(np_dtype).reshape(shape))
-        return tuple(fields)
-
-    def tensor_fields(self, device_bytes: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-        """Typed views of each field inside the device staging buffer."""
-        fields = []
-        for dtype, shape, offset in zip(self.dtypes, self.shapes, self.offsets):
-            count = int(np.prod(shape, dtype=np.int64))
-            raw = device_bytes[offset:offset + count * dtype.itemsize]
-            fields.append(raw.view(dtype).view(shape))
-        return tuple(fields)
 
 
 def paired(first: torch.Tensor, second: torch.Tensor, length: int) -> Optional[torch.Tensor]:

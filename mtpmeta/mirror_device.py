@@ -1,0 +1,206 @@
+"""The mirror path's device-op route, for inputs that are already device tensors.
+
+Upstream call sites pass some inputs on the device (start positions, lengths, tables).
+Reading them back would be a sync, so this route computes the same results with torch
+ops on the device. Their values are not checked (that would be the sync): a block
+column outside the table (a negative position or one past ``W * BS``) is clamped for
+the gather and its token sent to the dummy block ``D``, exactly as the host route's
+writers would never write a real block for it. The draft depth here allocates nothing:
+it writes through fixed views of the persistent buffers and of the destination view.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .buffers import PersistentBuffers
+from .gpu_view import ViewTarget
+
+__all__ = ["DeviceRoute"]
+
+
+@dataclass(frozen=True)
+class DecodeViews:
+    """Fixed views one device-route draft depth writes through (``n`` real, ``p``
+    padded requests); ``pad_*`` are None when ``p == n``."""
+
+    offsets: Tensor  # [n] int32, persistent offsets
+    table: Tensor  # [n, W] persistent block table
+    columns: Tensor  # [n] int64 scratch: block column of each offset
+    columns_2d: Tensor  # [n, 1] the same, for gather
+    outside: Tensor  # [n] bool scratch: column outside [0, W)
+    outside_high: Tensor  # [n] bool scratch
+    gathered: Tensor  # [n, 1] scratch of the table dtype
+    gathered_1d: Tensor  # [n] the same
+    rows: Tensor  # [n] int64, 0..n-1
+    query: Tensor  # [n] int32 persistent query lengths
+    kv: Tensor  # [n] int32 persistent KV lengths
+    fields: object  # ViewFields of the view prefixes [:n] ([:n + 1] for cu arrays)
+    pad_tokens: Optional[object]  # (block [n:p], local [n:p])
+    pad_requests: Optional[object]  # (q [n:p], kv [n:p], cu_q [n+1:p+1], cu_kv, table [n:p])
+    cu_heads: object  # (cu_q [:1], cu_kv [:1])
+    cu_bodies: object  # (cu_q [1:n+1], cu_kv [1:n+1])
+    cu_last: object  # (cu_q [n:n+1], cu_kv [n:n+1])
+
+
+class DeviceRoute:
+    """Device ops over the persistent buffers and the destination view."""
+
+    def __init__(self, buffers: PersistentBuffers, *, block_size: int, dummy: int) -> None:
+        self.buffers = buffers
+        self.block_size = block_size
+        self.dummy = dummy
+        requests, width = buffers.block_table.shape
+        self.width = width
+        device = buffers.offsets.device
+        # Draft-depth scratch: [R] int64 columns, [R] bool x2, [R, 1] gathered blocks.
+        self._columns = torch.zeros(requests, dtype=torch.int64, device=device)
+        self._outside = torch.zeros((2, requests), dtype=torch.bool, device=device)
+        self._gathered = torch.zeros((requests, 1), dtype=buffers.block_table.dtype,
+                                     device=device)
+
+    # ---------------------------------------------------------------- draft loop
+    def begin_decode(self, count: int, start_positions: Tensor, table_src: Tensor) -> None:
+        buffers = self.buffers
+        buffers.offsets[:count].copy_(start_positions[:count], non_blocking=True)
+        buffers.block_table[:count].copy_(table_src[:count], non_blocking=True)
+
+    def decode_step(self, target: ViewTarget, count: int, padded: int) -> None:
+        """One draft depth from the persistent device buffers alone."""
+        key = ("device_step", count, padded)
+        v = target.plans.get(key)
+        if v is None:
+            v = self._decode_views(target, count, padded)
+            target.plans[key] = v
+        f = v.fields
+        torch.floor_divide(v.offsets, self.block_size, out=v.columns)
+        torch.lt(v.offsets, 0, out=v.outside)
+        torch.ge(v.columns, self.width, out=v.outside_high)
+        torch.logical_or(v.outside, v.outside_high, out=v.outside)
+        v.columns.clamp_(0, self.width - 1)
+        torch.gather(v.table, 1, v.columns_2d, out=v.gathered)
+        f.token_to_block_idx.copy_(v.gathered_1d)
+        f.token_to_block_idx.masked_fill_(v.outside, self.dummy)
+        torch.remainder(v.offsets, self.block_size, out=f.token_to_local_position_within_kv_block)
+        f.token_to_request_idx.copy_(v.rows)
+        f.token_to_position_in_request.copy_(v.offsets)
+        f.token_to_pos_ids.copy_(v.offsets)
+        v.query.fill_(1)
+        torch.add(v.offsets, 1, out=v.kv)
+        f.mha_query_lengths.copy_(v.query)
+        f.mha_kv_seq_lengths.copy_(v.kv)
+        cu_q_head, cu_kv_head = v.cu_heads
+        cu_q_body, cu_kv_body = v.cu_bodies
+        cu_q_head.zero_()
+        cu_kv_head.zero_()
+        torch.cumsum(v.query, 0, dtype=cu_q_body.dtype, out=cu_q_body)
+        torch.cumsum(v.kv, 0, dtype=cu_kv_body.dtype, out=cu_kv_body)
+        f.mha_block_table.copy_(v.table)
+        if v.pad_tokens is not None:
+            pad_block, pad_local = v.pad_tokens
+            pad_block.fill_(self.dummy)
+            pad_local.fill_(0)
+            pad_q, pad_kv, pad_cu_q, pad_cu_kv, pad_table = v.pad_requests
+            cu_q_last, cu_kv_last = v.cu_last
+            pad_q.zero_()
+            pad_kv.zero_()
+            pad_cu_q.copy_(cu_q_last.expand_as(pad_cu_q))
+            pad_cu_kv.copy_(cu_kv_last.expand_as(pad_cu_kv))
+            pad_table.fill_(-1)
+
+    def _decode_views(self, target: ViewTarget, n: int, p: int) -> DecodeViews:
+        buffers = self.buffers
+        view = target.fields
+        prefix = type(view)(**{name: tensor[:n + 1] if name.startswith("mha_cu_")
+                               else tensor[:n] for name, tensor in zip(view._fields, view)})
+        pad = p > n
+        return DecodeViews(
+            offsets=buffers.offsets[:n], table=buffers.block_table[:n],
+            columns=self._columns[:n], columns_2d=self._columns[:n].unsqueeze(1),
+            outside=self._outside[0, :n], outside_high=self._outside[1, :n],
+            gathered=self._gathered[:n], gathered_1d=self._gathered[:n, 0],
+            rows=buffers.row_ids[:n],
+            query=buffers.query_lengths[:n], kv=buffers.kv_lengths[:n], fields=prefix,
+            pad_tokens=(view.token_to_block_idx[n:p],
+                        view.token_to_local_position_within_kv_block[n:p]) if pad else None,
+            pad_requests=(view.mha_query_lengths[n:p], view.mha_kv_seq_lengths[n:p],
+                          view.mha_cu_query_seq_lengths[n + 1:p + 1],
+                          view.mha_cu_kv_seq_lengths[n + 1:p + 1],
+                          view.mha_block_table[n:p]) if pad else None,
+            cu_heads=(view.mha_cu_query_seq_lengths[:1], view.mha_cu_kv_seq_lengths[:1]),
+            cu_bodies=(view.mha_cu_query_seq_lengths[1:n + 1],
+                       view.mha_cu_kv_seq_lengths[1:n + 1]),
+            cu_last=(view.mha_cu_query_seq_lengths[n:n + 1],
+                     view.mha_cu_kv_seq_lengths[n:n + 1]))
+
+    # --------------------------------------------------------------- commit pass
+    def stage_prefill_lengths(self, counts: Tensor, pad_tokens: int) -> int:
+        num_prefill = counts.shape[0]
+        lengths = self.buffers.query_lengths
+        max_requests = lengths.shape[0]
+        if num_prefill:
+            lengths[:num_prefill].copy_(counts, non_blocking=True)
+        if pad_tokens > 0 and num_prefill < max_requests:
+            lengths[num_prefill:num_prefill + 1].fill_(pad_tokens)
+            return num_prefill + 1
+        if pad_tokens > 0:
+            lengths[num_prefill - 1:num_prefill].add_(pad_tokens)
+        return num_prefill
+
+    # -------------------------------------------------------------------- writers
+    def write_token_maps(self, target: ViewTarget, rows: Tensor, positions: Tensor,
+                         table: Tensor, inherited: Optional[Tensor], padded: int) -> None:
+        """Device-op token maps (allocates temporaries; values unchecked: a column
+        outside the table sends that token to the dummy block instead)."""
+        f = target.fields
+        block, local = f.token_to_block_idx, f.token_to_local_position_within_kv_block
+        count = positions.shape[0]
+        if count:
+            rows_long = rows.long()
+            columns = torch.div(positions, self.block_size, rounding_mode="floor").long()
+            outside = (columns < 0) | (columns >= table.shape[1])
+            blocks = table[rows_long, columns.clamp(0, table.shape[1] - 1)]
+            redirect = outside
+            if inherited is not None:
+                redirect = redirect | (columns < inherited[rows_long])
+            block[:count].copy_(blocks.masked_fill(redirect, self.dummy))
+            if local.dtype == positions.dtype:
+                torch.remainder(positions, self.block_size, out=local[:count])
+            else:
+                local[:count].copy_(torch.remainder(positions, self.block_size))
+            f.token_to_request_idx[:count].copy_(rows)
+            f.token_to_position_in_request[:count].copy_(positions)
+            f.token_to_pos_ids[:count].copy_(positions)
+        if padded > count:
+            block[count:padded].fill_(self.dummy)
+            local[count:padded].fill_(0)
+
+    def write_mha_metadata(self, target: ViewTarget, query_lengths: Tensor,
+                           kv_lengths: Tensor, count: int, table: Tensor,
+                           padded: int) -> None:
+        """Device-op MHA metadata (no read-back; lengths are not checked)."""
+        f = target.fields
+        cu_q, cu_kv = f.mha_cu_query_seq_lengths, f.mha_cu_kv_seq_lengths
+        mha_q, mha_kv, mha_table = f.mha_query_lengths, f.mha_kv_seq_lengths, f.mha_block_table
+        num_rows = table.shape[0]
+        cu_q[:1].zero_()
+        cu_kv[:1].zero_()
+        if count:
+            mha_q[:count].copy_(query_lengths)
+            mha_kv[:count].copy_(kv_lengths)
+            torch.cumsum(query_lengths, 0, dtype=cu_q.dtype, out=cu_q[1:count + 1])
+            torch.cumsum(kv_lengths, 0, dtype=cu_kv.dtype, out=cu_kv[1:count + 1])
+        if num_rows:
+            mha_table[:num_rows].copy_(table)
+        if count > num_rows:
+            mha_table[num_rows:count].fill_(self.dummy)
+        if padded > count:
+            mha_q[count:padded].zero_()
+            mha_kv[count:padded].zero_()
+            cu_q[count + 1:padded + 1].copy_(cu_q[count:count + 1].expand(padded - count))
+            cu_kv[count + 1:padded + 1].copy_(cu_kv[count:count + 1].expand(padded - count))
+            mha_table[count:padded].fill_(-1)
