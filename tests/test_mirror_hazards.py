@@ -113,14 +113,19 @@ def test_graphed_depths_take_the_host_staged_route_of_eager_ones():
             for _ in range(2):
                 with OpCounter() as counter:
                     meta.setup_decode_step(view)
-                ops.setdefault(graphed, set()).add(counter.total)
+                ops.setdefault(graphed, set()).update(
+                    name for name in counter.ops if name not in _VIEW_OPS)
                 ref.setup_decode_step(ref_view)
                 for f in view_state(view):
                     assert torch.equal(getattr(view, f), getattr(ref_view, f)), f
                 meta.advance_decode_step()
                 ref.advance_decode_step()
         assert view.token_to_block_idx[3:8].tolist() == [meta.dummy_block_idx] * 5
-    assert ops[True] == ops[False]
+    assert ops[True] == ops[False] == {"aten::copy_"}
+
+
+_VIEW_OPS = {"aten::view", "aten::slice", "aten::as_strided", "aten::detach",
+             "aten::select", "aten::unsqueeze", "aten::expand", "aten::alias"}
 
 
 class _Journal:
