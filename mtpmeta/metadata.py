@@ -572,7 +572,10 @@ class MTPMetadata(InputChecks):
 
         append_counts: int [P]; block_table: int [>= P, view width]; start_positions,
         inherited_blocks: int [>= P]. Host inputs are checked in full and cost no sync;
-        a device ``append_counts`` costs one sync (its values are needed on the host).
+        device tensors are read back to the host with one ``.cpu()`` each, one sync
+        each: ``append_counts``, ``block_table``, ``start_positions`` and
+        ``inherited_blocks`` (their values decide the staging and the returned shape).
+        Keep them on the host to keep the commit pass free of syncs.
         """
         backend = self._require("setup_commit_pass")
         target = self._target(gpu_view)

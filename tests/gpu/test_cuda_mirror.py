@@ -1,35 +1,65 @@
 """GPU integration tests of the mirror path. Skipped without CUDA.
 
-Failure stories: a sync hidden in the draft loop (caught by sync debug mode), a captured
-draft depth that replays against stale addresses, and a pinned staging slot rewritten
-while its async copy is still queued behind slow GPU work.
+Failure stories: a sync hidden in the draft loop or the commit pass (caught by sync
+debug mode), a captured forward replayed with fewer real requests than were captured
+reading stale rows, a pinned staging slot rewritten while its async copy is still queued
+behind slow GPU work (with a negative control that must fail), two streams sharing
+staging, a device start position past the table killing the CUDA context, and a
+pageable hidden copied ``non_blocking``. Expected values are computed first (the direct
+path or the reference on the CPU), so the raced regions hold no sync.
 """
 
 from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-from mtpmeta import VIEW_FIELDS, ContextGPUView, MTPMetadata  # noqa: E402
+from mtpmeta import VIEW_FIELDS, ContextGPUView, GraphCaptureError, MTPMetadata  # noqa: E402
 from mtpmeta.reference import ReferenceGPUView, ReferenceMTPMetadata  # noqa: E402
+from mtpmeta.runtime import TorchRuntime, use_runtime  # noqa: E402
 from mtpmeta.workload import StepConfig, make_steps, run_commit, run_step  # noqa: E402
 
 CONFIG = StepConfig(max_requests=64, block_columns=32, block_size=16, active=48,
                     prefill_tokens=64, inherited_blocks=2, moves=8, swaps=2, resets=8)
 CUDA = torch.device("cuda")
+R, W, BS = CONFIG.max_requests, CONFIG.block_columns, CONFIG.block_size
+D = CONFIG.dummy_block
+TOKENS = CONFIG.max_tokens
+SLEEP = 200_000_000  # GPU clock cycles: about 0.1 s on an H200
+
+
+class _NoFenceRuntime(TorchRuntime):
+    """Negative control: staging slots are reused without waiting for their copies."""
+
+    def fence(self, device):
+        class NoFence:
+            def record(self):
+                pass
+
+            def wait(self):
+                pass
+
+        return NoFence()
+
+
+def _gpu(runtime=None):
+    meta = MTPMetadata(**CONFIG.metadata_kwargs())
+    with use_runtime(runtime or TorchRuntime()):
+        meta.allocate(CUDA)
+    return meta, ContextGPUView(R, TOKENS, W, CUDA)
 
 
 def _pair():
-    meta = MTPMetadata(**CONFIG.metadata_kwargs())
-    meta.allocate(CUDA)
+    meta, view = _gpu()
     ref = ReferenceMTPMetadata(**CONFIG.metadata_kwargs())
     ref.allocate(CUDA)
-    view = ContextGPUView(CONFIG.max_requests, CONFIG.max_tokens, CONFIG.block_columns, CUDA)
-    ref_view = ReferenceGPUView(CONFIG.max_requests, CONFIG.max_tokens,
-                                CONFIG.block_columns, CUDA)
-    return meta, view, ref, ref_view
+    return meta, view, ref, ReferenceGPUView(R, TOKENS, W, CUDA)
 
 
 def _assert_views_equal(view, ref_view):
@@ -45,21 +75,33 @@ def test_mirror_path_matches_reference_on_cuda():
         run_step(meta, view, inputs, CONFIG)
         run_step(ref, ref_view, inputs, CONFIG)
         _assert_views_equal(view, ref_view)
-        for name in ("offsets", "block_table", "query_lengths", "kv_lengths"):
+        for name in ("offsets", "block_table", "query_lengths", "kv_lengths",
+                     "chunk_boundary_hidden"):
             assert torch.equal(getattr(meta, name).cpu(), getattr(ref, name).cpu()), name
-        assert torch.equal(meta.request_matched_prefix_blocks, ref.request_matched_prefix_blocks)
+        assert torch.equal(meta.request_matched_prefix_blocks,
+                           ref.request_matched_prefix_blocks)
 
 
-def test_draft_loop_and_commit_pass_make_no_sync():
-    meta, view, _, _ = _pair()
+def test_staging_memory_is_pinned():
+    meta, _ = _gpu()
+    backend = meta._backend
+    for ring in (backend._begin_ring, backend._lengths_ring, backend._forward_ring,
+                 backend._carry_ring):
+        assert ring.host.is_pinned()
+    assert meta.request_matched_prefix_blocks.is_pinned()
+
+
+@pytest.mark.parametrize("graphed", [False, True])
+def test_draft_loop_and_commit_pass_make_no_sync(graphed):
+    meta, view = _gpu()
     steps = make_steps(CONFIG, 3, seed=12)
     run_step(meta, view, steps[0], CONFIG)  # warm caches and JIT
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for inputs in steps[1:]:
-            meta.begin_decode(CONFIG.active, CONFIG.active, inputs.start_positions,
-                              inputs.block_table, False)
+            meta.begin_decode(CONFIG.active, CONFIG.active + 3, inputs.start_positions,
+                              inputs.block_table, graphed)
             for _ in range(CONFIG.depths):
                 meta.setup_decode_step(view)
                 meta.stage_decode_lengths()
@@ -70,91 +112,217 @@ def test_draft_loop_and_commit_pass_make_no_sync():
         torch.cuda.set_sync_debug_mode("default")
 
 
-def test_captured_draft_depth_replays_new_begin_decode_data():
-    """Capture setup_decode_step + advance_decode_step once; replay it for several
-    steps after fresh begin_decode(graphed=True) calls; compare with eager results."""
-    meta, view, ref, ref_view = _pair()
-    n = CONFIG.active
-    meta.begin_decode_for_capture(n)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):  # warm-up outside capture
-            meta.setup_decode_step(view)
-    torch.cuda.current_stream().wait_stream(stream)
+class _DraftForward:
+    """A stand-in MTP forward that reads the view the way attention and the KV write
+    do: per token, the block and slot it writes and its request's KV length."""
+
+    def __init__(self, padded: int) -> None:
+        self.padded = padded
+        self.kv = torch.arange((D + 1) * BS, dtype=torch.float32, device=CUDA).view(D + 1, BS)
+        self.out = torch.zeros(padded, dtype=torch.float32, device=CUDA)
+        self.lengths = torch.zeros(padded, dtype=torch.int32, device=CUDA)
+
+    def __call__(self, view) -> None:
+        blocks = view.token_to_block_idx[:self.padded].long()
+        slots = view.token_to_local_position_within_kv_block[:self.padded].long()
+        self.out.copy_(self.kv[blocks, slots])
+        self.lengths.copy_(view.mha_kv_seq_lengths[:self.padded])
+
+
+def _capture(forward, view):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            forward(view)
+    torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    meta.begin_decode_for_capture(n)
     with torch.cuda.graph(graph):
-        meta.setup_decode_step(view)
-        meta.advance_decode_step()
+        forward(view)
+    return graph
+
+
+@pytest.mark.parametrize("real", [16, 9, 1])
+def test_replayed_forward_sees_eager_setup_with_fewer_real_requests(real):
+    """Capture the forward at padded 16; before each replay, setup runs eagerly
+    (graphed=True). Replays with 16, 9 or 1 real requests must equal the eager
+    forward over the reference's view, pad rows reading the dummy block."""
+    meta, view, ref, ref_view = _pair()
+    P = 16
+    meta.begin_decode_for_capture(P)
+    meta.setup_decode_step(view)
+    forward, expected_forward = _DraftForward(P), _DraftForward(P)
+    graph = _capture(forward, view)
     meta.end_forward()
-    for inputs in make_steps(CONFIG, 3, seed=13):
-        meta.begin_decode(n, n, inputs.start_positions.to(CUDA),
-                          inputs.block_table.to(CUDA), True)
-        ref.begin_decode(n, n, inputs.start_positions.to(CUDA), inputs.block_table.to(CUDA),
-                         True)
-        for _ in range(CONFIG.depths):
+    table = torch.randperm(R * W, dtype=torch.int32).view(R, W)
+    for step in range(3):
+        starts = torch.randint(0, W * BS - 4, (R,), dtype=torch.int32)
+        meta.begin_decode(real, P, starts, table, True)
+        ref.begin_decode(real, P, starts.to(CUDA), table.to(CUDA), True)
+        for _ in range(3):
+            shape = meta.setup_decode_step(view)
+            assert shape.padded_request_count == P
             graph.replay()
             ref.setup_decode_step(ref_view)
+            expected_forward(ref_view)
+            torch.cuda.synchronize()
+            assert torch.equal(forward.out, expected_forward.out)
+            assert torch.equal(forward.lengths, expected_forward.lengths)
+            assert view.token_to_block_idx[real:P].eq(D).all()
+            meta.advance_decode_step()
             ref.advance_decode_step()
-            _assert_views_equal(view, ref_view)
+        assert torch.equal(torch.from_numpy(meta._backend.host_offsets[:real]),
+                           meta.offsets[:real].cpu())
         meta.end_forward()
         ref.end_forward()
 
 
-def test_pinned_staging_survives_slow_stream_and_rapid_restaging():
-    """Queue slow GPU work, then restage many forwards faster than the copies can run;
-    every forward's snapshot must still hold its own data."""
-    meta, view, ref, ref_view = _pair()
-    generator = torch.Generator().manual_seed(14)
-    rounds = 24
-    snapshots = torch.zeros((rounds, 4, CONFIG.max_tokens), dtype=torch.int32, device=CUDA)
-    expected = []
-    table = torch.randint(0, 1000, (CONFIG.max_requests, CONFIG.block_columns),
-                          generator=generator, dtype=torch.int32)
-    torch.cuda._sleep(50_000_000)  # keep the stream busy while the host races ahead
-    for i in range(rounds):
-        T = 32
-        rows = torch.randint(0, CONFIG.max_requests, (T,), generator=generator)
-        positions = torch.randint(0, CONFIG.block_columns * CONFIG.block_size, (T,),
-                                  generator=generator)
-        meta.write_token_maps(view, rows, positions, table, T + 8)
-        for k, name in enumerate(("token_to_block_idx", "token_to_local_position_within_kv_block",
-                                  "token_to_request_idx", "token_to_position_in_request")):
-            snapshots[i, k].copy_(getattr(view, name)[:CONFIG.max_tokens], non_blocking=True)
-        ref.write_token_maps(ref_view, rows.to(CUDA), positions.to(CUDA), table.to(CUDA), T + 8)
-        expected.append(torch.stack([getattr(ref_view, name)[:CONFIG.max_tokens].clone()
-                                     for name in ("token_to_block_idx",
-                                                  "token_to_local_position_within_kv_block",
-                                                  "token_to_request_idx",
-                                                  "token_to_position_in_request")]))
+def test_staging_calls_inside_a_capture_are_refused():
+    meta, view = _gpu()
+    meta.begin_decode_for_capture(8)
+    meta.setup_decode_step(view)
+    scratch = torch.zeros(4, device=CUDA)
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        for call in (lambda: meta.setup_decode_step(view), meta.advance_decode_step,
+                     lambda: meta.begin_decode_for_capture(8)):
+            with pytest.raises(GraphCaptureError):
+                call()
+        scratch.add_(1)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert scratch.tolist() == [1.0] * 4
+    meta.setup_decode_step(view)  # eager again: works
+
+
+def _token_inputs(rounds, seed, T=32):
+    g = torch.Generator().manual_seed(seed)
+    table = torch.randint(0, D, (R, W), generator=g, dtype=torch.int32)
+    rows = [torch.randint(0, R, (T,), generator=g) for _ in range(rounds)]
+    pos = [torch.randint(0, W * BS, (T,), generator=g) for _ in range(rounds)]
+    return table, rows, pos
+
+
+def _expected_buffers(table, rows, pos, padded):
+    meta = MTPMetadata(**CONFIG.metadata_kwargs())
+    meta.allocate("cpu")
+    view = ContextGPUView(R, TOKENS, W, "cpu")
+    out = []
+    for r, p in zip(rows, pos):
+        meta.write_token_maps(view, r, p, table, padded)
+        out.append(view.buffer.clone())
+    return out
+
+
+def _run_stress(runtime, rounds=24, T=32):
+    """Host races ahead of a sleeping stream; returns (mismatching rounds, ran_ahead)."""
+    table, rows, pos = _token_inputs(rounds, seed=14, T=T)
+    expected = _expected_buffers(table, rows, pos, T + 8)
+    meta, view = _gpu(runtime)
+    snaps = torch.zeros((rounds, view.buffer.numel()), dtype=torch.uint8, device=CUDA)
+    slots = meta._backend._forward_ring.num_slots
+    torch.cuda.synchronize()
+    asleep = torch.cuda.Event()
+    torch.cuda._sleep(SLEEP)
+    asleep.record()
+    ran_ahead = None
+    for i in range(rounds):  # no sync anywhere in this loop
+        meta.write_token_maps(view, rows[i], pos[i], table, T + 8)
+        snaps[i].copy_(view.buffer, non_blocking=True)
+        if i == slots - 1:
+            ran_ahead = not asleep.query()  # every slot staged before the GPU woke
+    torch.cuda.synchronize()
+    bad = [i for i in range(rounds) if not torch.equal(snaps[i].cpu(), expected[i])]
+    return bad, ran_ahead
+
+
+def test_pinned_ring_survives_a_slow_stream():
+    bad, ran_ahead = _run_stress(TorchRuntime())
+    assert ran_ahead, "the host never got ahead of the GPU: the test proves nothing"
+    assert bad == []
+
+
+def test_stress_detects_missing_fences():
+    """Negative control: with no-op fences the same stress MUST see corrupted rounds."""
+    bad, ran_ahead = _run_stress(_NoFenceRuntime())
+    assert ran_ahead and bad, "the stress test cannot see a missing fence"
+
+
+def test_two_streams_each_get_their_own_staged_data():
+    """Forwards alternate between two streams, each slowed at random: every forward's
+    view must hold exactly its own data (each slot owns its device stage)."""
+    rounds = 8
+    table, rows, pos = _token_inputs(rounds, seed=21)
+    expected = _expected_buffers(table, rows, pos, 40)
+    meta, _ = _gpu()
+    views = [ContextGPUView(R, TOKENS, W, CUDA) for _ in range(rounds)]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
     torch.cuda.synchronize()
     for i in range(rounds):
-        assert torch.equal(snapshots[i, :, :40].cpu(), expected[i][:, :40].cpu()), i
+        with torch.cuda.stream(streams[i % 2]):
+            if i % 3 == 0:
+                torch.cuda._sleep(SLEEP // 4)
+            meta.write_token_maps(views[i], rows[i], pos[i], table, 40)
+    torch.cuda.synchronize()
+    for i in range(rounds):
+        assert torch.equal(views[i].buffer.cpu(), expected[i]), i
 
 
-def test_device_tensor_inputs_match_reference_on_cuda():
-    """Writers fed CUDA tensors (as upstream call sites do) take the device-op route
-    and give the reference's results, with no sync."""
-    meta, view, ref, ref_view = _pair()
-    generator = torch.Generator().manual_seed(15)
-    limit = CONFIG.block_columns * CONFIG.block_size
-    table = torch.randint(0, 1000, (CONFIG.max_requests, CONFIG.block_columns),
-                          generator=generator, dtype=torch.int32).to(CUDA)
-    rows = torch.randint(0, CONFIG.max_requests, (40,), generator=generator).to(CUDA)
-    positions = torch.randint(0, limit, (40,), generator=generator).to(CUDA)
-    inherited = torch.randint(0, 3, (CONFIG.max_requests,), generator=generator).to(CUDA)
-    lengths = torch.randint(1, 9, (CONFIG.active,), generator=generator,
-                            dtype=torch.int32).to(CUDA)
+def test_device_start_past_the_table_does_not_kill_the_context():
+    """Unchecked device start positions must be clamped and sent to the dummy block,
+    never gathered out of bounds (a device-side assert). Run in a subprocess so a dead
+    CUDA context cannot take pytest with it."""
+    script = textwrap.dedent(f"""
+        import torch
+        from mtpmeta import MTPMetadata, ContextGPUView
+        from mtpmeta.workload import StepConfig
+        config = StepConfig(max_requests={R}, block_columns={W}, block_size={BS},
+                            active=48, prefill_tokens=64, inherited_blocks=2)
+        meta = MTPMetadata(**config.metadata_kwargs()); meta.allocate('cuda')
+        view = ContextGPUView({R}, {TOKENS}, {W}, 'cuda')
+        starts = torch.tensor([{W * BS}, -1, 5, 0] + [0] * {R - 4}, dtype=torch.int32,
+                              device='cuda')
+        table = torch.zeros(({R}, {W}), dtype=torch.int32, device='cuda')
+        meta.begin_decode(4, 4, starts, table, False)
+        meta.setup_decode_step(view)
+        torch.cuda.synchronize()
+        print(view.token_to_block_idx[:4].tolist())
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-800:]
+    assert f"[{D}, {D}, 0, 0]" in result.stdout
+
+
+def test_commit_pass_device_block_table_is_the_documented_sync():
+    """A device block table is read back (documented in setup_commit_pass); host
+    inputs make the same pass without any sync."""
+    meta, view = _gpu()
+    host_table = torch.arange(R * W, dtype=torch.int32).view(R, W) % D
+    counts = torch.tensor([3, 2, 4], dtype=torch.int32)
+    device_table = host_table.to(CUDA)
+    meta.setup_commit_pass(view, counts, host_table)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        meta.write_token_maps(view, rows, positions, table, 48, inherited)
-        meta.write_mha_metadata(view, lengths, lengths, table[:CONFIG.active - 2],
-                                CONFIG.active + 4)
+        meta.setup_commit_pass(view, counts, host_table)
+        with pytest.raises(RuntimeError):
+            meta.setup_commit_pass(view, counts, device_table)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    ref.write_token_maps(ref_view, rows, positions, table, 48, inherited)
-    ref.write_mha_metadata(ref_view, lengths, lengths, table[:CONFIG.active - 2],
-                           CONFIG.active + 4)
-    _assert_views_equal(view, ref_view)
+
+
+def test_carry_copies_a_pageable_hidden_safely_and_a_device_hidden_on_the_stream():
+    meta, _ = _gpu()
+    H = CONFIG.hidden_size
+    hidden = torch.arange(H, dtype=torch.float32)  # pageable host memory
+    torch.cuda._sleep(SLEEP // 4)  # the copy stays queued while the caller moves on
+    meta.carry_chunk_boundary(hidden, 3, 7)
+    hidden.fill_(-1.0)  # the caller reuses its tensor right away
+    torch.cuda.synchronize()
+    assert meta.take_chunk_boundary(3, 7).view(-1).cpu().tolist() == list(range(H))
+    on_device = torch.full((1, 1, H), 2.5, device=CUDA)
+    meta.carry_chunk_boundary(on_device, 4, 9)
+    torch.cuda.synchronize()
+    assert meta.take_chunk_boundary(4, 9).eq(2.5).all()
