@@ -32,7 +32,6 @@ class PersistentBuffers:
     row_ids: torch.Tensor  # [R] int64, device: constant 0..R-1
     chunk_boundary_hidden: torch.Tensor  # [1, 1, H] hidden_dtype, device: the carry
     annotations: np.ndarray  # numpy view of request_matched_prefix_blocks
-    carry_state: np.ndarray  # [3] int64: [valid, req_id, position]
     row_scratch: np.ndarray  # [2R] int32: move/swap snapshot space
 
     @classmethod
@@ -58,6 +57,5 @@ class PersistentBuffers:
             chunk_boundary_hidden=torch.zeros((1, 1, hidden_size), dtype=hidden_dtype,
                                               device=device),
             annotations=annotations.numpy(),
-            carry_state=np.array([0, -1, -1], dtype=np.int64),
             row_scratch=np.zeros(2 * max_requests, dtype=np.int32),
         )

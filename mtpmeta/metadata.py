@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from . import native
+from .backend import Backend
 from .buffers import PersistentBuffers
 from .checks import INT32_LIMIT, INT64_MAX, InputChecks, is_int_dtype
 from .direct import DirectBackend
@@ -93,7 +94,7 @@ class MTPMetadata(InputChecks):
         # [3] int64: [valid, req_id, position]; the carry survives row moves (keyed by id).
         self._carry_state = np.array([0, -1, -1], dtype=np.int64)
         self._buffers: Optional[PersistentBuffers] = None
-        self._backend: Optional[DirectBackend] = None
+        self._backend: Optional[Backend] = None
         self._views = ViewCache()
         self._prefill_views: Dict[int, Tensor] = {}
         self._active_views: Dict[int, Tuple[Tensor, Tensor, Tuple[Tensor, Tensor]]] = {}
@@ -716,28 +717,25 @@ class MTPMetadata(InputChecks):
         backend.write_mha_metadata(target, q, kv, count, table, padded)
         self.last_forward = ForwardRecord("mha", gpu_view, 0, 0, count, padded)
 
+    # ----------------------------------------------------------------- debugging
+    def check_invariants(self, gpu_view: Any = None) -> None:
+        """Check this object's invariants and those of the last forward's destination
+        view.
+
+        Raises ``InvariantError`` (an ``AssertionError``, raised explicitly so it holds
+        under ``python -O``) naming the broken invariant and the offending row, token or
+        slot. ``gpu_view`` defaults to the view of ``last_forward``. A debug tool: it
+        reads the buffers and the view back (a sync on CUDA). The list is in
+        ``mtpmeta.invariants``.
+        """
+        from .invariants import check_invariants
+
+        check_invariants(self, gpu_view)
+
 # --- debug checks (mtpmeta.invariants) ---
-# Attaches MTPMetadata.check_invariants and, only when MTPMETA_DEBUG=1 at import, wraps
-# the public methods so each call is followed by a check. With the variable unset this
-# costs nothing: no wrapper, and mtpmeta.invariants is imported on first use only.
-def _check_invariants(self: MTPMetadata, gpu_view: Any = None) -> None:
-    """Check this object's invariants and those of the last forward's destination view.
-
-    Raises ``InvariantError`` (an ``AssertionError``, raised explicitly so it holds under
-    ``python -O``) naming the broken invariant and the offending row, token or slot.
-    ``gpu_view`` defaults to the view of ``last_forward``. A debug tool: it reads the
-    buffers and the view back (a sync on CUDA). The list is in ``mtpmeta.invariants``.
-    """
-    from .invariants import check_invariants
-
-    check_invariants(self, gpu_view)
-
-
-_check_invariants.__name__ = "check_invariants"
-_check_invariants.__qualname__ = "MTPMetadata.check_invariants"
-MTPMetadata.check_invariants = _check_invariants  # type: ignore[attr-defined]
-
-
+# Only when MTPMETA_DEBUG=1 at import are the public methods wrapped so each call is
+# followed by check_invariants. With the variable unset this costs nothing: no wrapper,
+# and mtpmeta.invariants is imported on first use only.
 def _install_debug_checks_from_env() -> None:
     import os
 
