@@ -23,7 +23,8 @@ import torch
 
 from mtpmeta import MTPMetadata
 from mtpmeta.__main__ import main as cli_main
-from mtpmeta.simulate import FEATURES, PATHS, Engine, SimConfig, run_path
+from mtpmeta.simulate import (FEATURES, PATHS, Engine, Expectation, Mismatch, SimConfig,
+                              run_path)
 from mtpmeta.simulate.paged import PagedKVCache
 
 STEPS = 40  # enough for every feature with these seeds, about a second per path
@@ -194,3 +195,20 @@ def test_cli_refuses_bad_arguments(capsys):
     if not torch.cuda.is_available():
         assert cli_main(["simulate", "--device", "cuda"]) == 2
     assert "simulate" in capsys.readouterr().err
+
+
+def test_a_write_aimed_at_an_inherited_block_is_flagged():
+    """Draft depths have no inherited-block redirect (issue 12, §3): a scheduler that
+    drafted into a shared prefix block would overwrite every sharer's KV. The checker
+    refuses any planned write of a block a live request inherited."""
+    engine = Engine(SimConfig(), seed=SEED)
+    engine.run(STEPS)
+    sharer = next(r for r in engine.rows.live() if r.matched)
+    block = sharer.blocks[0]
+    expect = Expectation("draft depth 1", [(sharer, 3, 0, block)],
+                         torch.zeros(1, engine.config.hidden_size), 1,
+                         [(sharer, 1, 4)], 1)
+    with pytest.raises(Mismatch) as caught:
+        engine.checker._check_stray_writes(expect, engine.cache.snapshot(),
+                                           engine.rows.live())
+    assert caught.value.check == "inherited block" and caught.value.got == block

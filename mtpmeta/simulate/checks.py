@@ -13,8 +13,9 @@ view, the cache and the attention output with it, in this order:
    as expected; every pad token row points at ``D``, slot 0;
 3. ``mha metadata`` / ``paged read``: lengths per slot; padded slots empty; every block
    a slot read is one its request owns, or ``D``;
-4. ``stray write``: the only cache slots that changed are the real tokens' own (and
-   ``D``); an inherited block never changes;
+4. ``stray write`` / ``inherited block``: the only cache slots that changed are the
+   real tokens' own (and ``D``); no token, draft tokens included, is meant for a block
+   some live request inherited, and such a block never changes;
 5. ``kv``: for every live request, active or paused, the paged KV of every position it
    has committed (plus this draft loop's speculative positions) equals a dense
    recomputation from its tokens (``DenseOracle``), within dtype tolerance;
@@ -123,7 +124,7 @@ class Checker:
         self._check_shape(expect, shape)
         self._check_token_maps(expect)
         self._check_slots(expect, reads)
-        self._check_stray_writes(expect, before)
+        self._check_stray_writes(expect, before, live)
         if expect.speculative:
             self._record_speculative(expect)
         self._check_kv(live)
@@ -195,23 +196,33 @@ class Checker:
                                got=reads[i])
         self._ok("mha metadata", expect.padded_slots)
 
-    def _check_stray_writes(self, expect: Expectation, before: Tuple[Tensor, Tensor]) -> None:
+    def _check_stray_writes(self, expect: Expectation, before: Tuple[Tensor, Tensor],
+                            live: List[Request]) -> None:
+        shared = {b for r in live for b in r.blocks[:r.matched]}
         changed = self.cache.changed_slots(before)
         changed[self.dummy] = False
-        for _, position, _, block in expect.tokens:
+        for request, position, _, block in expect.tokens:
+            if block in shared:  # the engine itself meant to write a shared block
+                raise Mismatch("inherited block", f"{expect.kind} plans a write of "
+                               f"shared block {block} (a draft has no inherited-block "
+                               f"redirect: a scheduler must never draft there)",
+                               request=repr(request), position=position,
+                               expected=f"not one of {sorted(shared)}", got=block)
             if block != self.dummy:
                 changed[block, position % self.bs] = False
         stray = changed.nonzero()
         if stray.numel():
             block, slot = (int(i) for i in stray[0])
+            what = "an inherited (shared) block" if block in shared else \
+                "a slot no real token of this forward writes"
             raise Mismatch("stray write", f"{expect.kind} changed block {block} slot "
-                           f"{slot}, which no real token of this forward writes "
-                           f"(a pad row, a wrong block id, or an inherited block)",
+                           f"{slot}: {what} (a pad row or a wrong block id?)",
                            expected="unchanged", got=f"block {block} slot {slot} changed")
         self._ok("stray write")
 
     def _record_speculative(self, expect: Expectation) -> None:
-        positions = torch.tensor([p for _, p, _, _ in expect.tokens], device=expect.x.device)
+        positions = torch.tensor([p for _, p, _, _ in expect.tokens],
+                                 device=expect.x.device)
         _, k, v = self.model.qkv(expect.x[:len(expect.tokens)], positions)
         for t, (request, position, _, _) in enumerate(expect.tokens):
             entry = self.speculative.setdefault(request.rid, ([], [], []))

@@ -171,7 +171,8 @@ class Engine:
         return self.model.mtp_input(hidden, self._tokens(request)[positions + 1], positions)
 
     def _prefill_work(self, request: Request, chunk: int) -> Work:
-        """The main model runs prompt chunk ``[off, end)``; the span is ``[off-1, end-1)``."""
+        """The main model runs prompt chunk ``[off, end)``; the commit span is
+        ``[off - 1, end - 1)``."""
         cfg, off = self.config, request.prefilled
         end = off + chunk
         final = end == len(request.prompt)
@@ -188,7 +189,8 @@ class Engine:
                 # to the dummy block, so any hidden will do (the producer's KV stays).
                 seam = torch.zeros_like(hidden[:1])
             else:
-                raise RuntimeError(f"engine bug: {request} continues at {off} without a carry")
+                raise RuntimeError(f"engine bug: {request} continues at {off} "
+                                   "without a carry")
             span, start = torch.cat([seam, hidden[:-1]]), off - 1
         x = self._span_inputs(request, span, start)
         request.prefilled = end
@@ -310,10 +312,10 @@ class Engine:
             tokens = [(r, p, i, r.blocks[p // cfg.block_size])
                       for i, (r, p) in enumerate(zip(requests, plist))]
             slots = [(r, 1, p + 1) for r, p in zip(requests, plist)]
+            every_output = [(r, i, i + 1) for i, r in enumerate(requests)]
             expect = Expectation(f"draft depth {depth}", tokens,
                                  torch.cat([x, self._pad_rows(padded - n)]), padded,
-                                 slots, padded, [(r, i, i + 1) for i, r in enumerate(requests)],
-                                 speculative=depth > 0)
+                                 slots, padded, every_output, speculative=depth > 0)
             self.forward_label = f"#{self._forwards()} draft depth {depth}"
             shape = self.mtp.setup_decode_step(self.view)
             out = self._forward(expect.x, shape, expect)

@@ -79,7 +79,8 @@ class TinyModel:
         prev = torch.cat([torch.full((1,), self.config.vocab, device=self.device,
                                      dtype=torch.int64), tokens[:-1]])
         return torch.tanh(self.main_token_emb[tokens[start:end]]
-                          + self.main_prev_emb[prev[start:end]] + self.main_pos_emb[positions])
+                          + self.main_prev_emb[prev[start:end]]
+                          + self.main_pos_emb[positions])
 
     def main_next(self, token: int, position: int) -> int:
         """The main model's next token after ``token`` at ``position``."""
@@ -93,7 +94,7 @@ class TinyModel:
                           + self.mtp_pos_emb[positions])
 
     def qkv(self, x: Tensor, pos_ids: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-        """Query, key, value ``[n, heads, head_dim]`` of inputs ``x [n, H]`` at ``pos_ids``."""
+        """Query, key, value ``[n, heads, head_dim]`` of ``x [n, H]`` at ``pos_ids``."""
         shape = (x.shape[0], self.config.heads, self.config.head_dim)
         q = (x @ self.wq + self.q_pos[pos_ids]).view(shape)
         k = (x @ self.wk + self.k_pos[pos_ids]).view(shape)

@@ -52,7 +52,8 @@ def run_path(path: str, *, steps: int, seed: int = 0, device: str = "cpu",
     stats["row moves"] = engine.rows.calls["move"]
     stats["row swaps"] = engine.rows.calls["swap"]
     stats["row resets"] = engine.rows.calls["reset"]
-    stats["drafts rejected"] = stats.get("drafts verified", 0) - stats.get("drafts accepted", 0)
+    stats["drafts rejected"] = (stats.get("drafts verified", 0)
+                                - stats.get("drafts accepted", 0))
     checks = dict(sorted(engine.checker.passed.items()))
     stats["attention output checks"] = checks.get("attention output", 0)
     missing: List[str] = [name for name in FEATURES if not stats.get(name)]

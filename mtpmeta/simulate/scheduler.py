@@ -56,12 +56,13 @@ class Scheduler:
             if len(self.waiting) >= 4:
                 break
             if self.system_prompts and self.rng.random() < 0.55:
-                system = self.system_prompts[int(self.rng.integers(len(self.system_prompts)))]
+                pick = int(self.rng.integers(len(self.system_prompts)))
+                system = self.system_prompts[pick]
                 extra = int(self.rng.integers(1, cfg.max_prompt - len(system) + 1))
                 prompt = system + self.rng.integers(0, cfg.vocab, size=extra).tolist()
             else:
-                prompt = self.rng.integers(
-                    0, cfg.vocab, size=int(self.rng.integers(2, cfg.max_prompt + 1))).tolist()
+                length = int(self.rng.integers(2, cfg.max_prompt + 1))
+                prompt = self.rng.integers(0, cfg.vocab, size=length).tolist()
             max_new = int(self.rng.integers(2, cfg.max_new_tokens + 1))
             self.waiting.append(Request(self.next_rid, prompt, max_new))
             self.next_rid += 1
