@@ -25,14 +25,19 @@ The invariants, in the order they are checked:
 - ``cu arrays`` (same kinds): ``cu[0] == 0``, non-decreasing over ``[0, padded]``; after
   a commit pass ``mha_cu_query_seq_lengths[padded]`` is the padded token count.
 - ``inherited blocks`` (a last forward with ``inherited``): no real token whose block
-  column is below its row's inherited count points at a real block.
+  column is below its row's inherited count points at a real block. A draft depth
+  (kind decode) has no redirect at all, so there the rule catches a broken scheduler:
+  draft row ``i`` belongs to annotation row ``meta.draft_annotation_offset + i`` (the
+  active slice; the offset is the paused-row count when paused rows come first, 0 by
+  default), and its token must not land in one of that row's inherited blocks.
 
 The view checks read ``gpu_view`` when given, else ``meta.last_forward.gpu_view``; they
 assume the view still holds what the last MTP write put there (a view another writer
 shares must be checked right after the MTP forward). ``last_forward.inherited`` is a
 reference to the caller's array, which the scheduler may legitimately change afterwards
 (a row move of the annotations), so the first check of a record keeps a copy of the
-inherited counts and later checks of that record use the copy.
+inherited counts and later checks of that record use the copy. A draft depth's counts
+are read from ``request_matched_prefix_blocks`` at its first check in the same way.
 
 ``install_debug_checks(cls)`` wraps the public methods so each call is followed by a
 check; ``mtpmeta.metadata`` calls it at import when ``MTPMETA_DEBUG=1``.
@@ -196,6 +201,8 @@ def _check_token_rows(meta: Any, record: ForwardRecord, view: Any) -> None:
                                        f"expected {what}{value}")
     if record.inherited is not None:
         _check_inherited(meta, record, f, T)
+    elif record.kind == "decode" and T:
+        _check_inherited(meta, record, f, T, draft_offset=_draft_offset(meta, T))
 
 
 def _record_key(record: ForwardRecord) -> tuple:
@@ -205,20 +212,38 @@ def _record_key(record: ForwardRecord) -> tuple:
             record.padded_request_count)
 
 
-def _inherited_counts(meta: Any, record: ForwardRecord) -> np.ndarray:
-    """The inherited counts of ``record``'s forward, copied at its first check."""
+def _draft_offset(meta: Any, count: int) -> int:
+    """``meta.draft_annotation_offset``, checked to put ``count`` draft rows inside the
+    annotations."""
+    offset = getattr(meta, "draft_annotation_offset", 0)
+    R = meta.max_requests
+    if not isinstance(offset, (int, np.integer)) or not 0 <= offset <= R - count:
+        _fail("inherited blocks", f"draft_annotation_offset {offset!r} puts the {count} "
+                                  f"draft rows outside the {R} annotation rows")
+    return int(offset)
+
+
+def _inherited_counts(meta: Any, record: ForwardRecord,
+                      draft_offset: Optional[int] = None) -> np.ndarray:
+    """The inherited counts of ``record``'s forward, copied at its first check: the
+    caller's ``inherited`` array, or for a draft depth the annotation rows
+    ``[draft_offset, draft_offset + n)``."""
     key = _record_key(record)
     seen = _INHERITED_SEEN.get(meta)
     if seen is not None and seen[0] is record and seen[1] == key:
         return seen[2]
-    counts = _host(record.inherited).astype(np.int64).reshape(-1).copy()
+    if draft_offset is None:
+        counts = _host(record.inherited).astype(np.int64).reshape(-1).copy()
+    else:
+        annotations = _host(meta.request_matched_prefix_blocks).astype(np.int64)
+        counts = annotations[draft_offset:draft_offset + record.token_count].copy()
     _INHERITED_SEEN[meta] = (record, key, counts)
     return counts
 
 
 def _check_inherited(meta: Any, record: ForwardRecord, f: Dict[str, np.ndarray],
-                     T: int) -> None:
-    inherited = _inherited_counts(meta, record)
+                     T: int, draft_offset: Optional[int] = None) -> None:
+    inherited = _inherited_counts(meta, record, draft_offset)
     rows = f["token_to_request_idx"][:T]
     size = inherited.shape[0]
     outside = np.flatnonzero((rows < -size) | (rows >= size))
@@ -230,6 +255,17 @@ def _check_inherited(meta: Any, record: ForwardRecord, f: Dict[str, np.ndarray],
     columns = f["token_to_position_in_request"][:T] // meta.block_size_tokens
     blocks = f["token_to_block_idx"][:T]
     bad = np.flatnonzero((columns < inherited[rows]) & (blocks != meta.dummy_block_idx))
+    if bad.size and draft_offset is not None:
+        t = int(bad[0])
+        row = int(rows[t])
+        _fail("inherited blocks", f"draft token {t} (draft row {row} = annotation row "
+                                  f"{draft_offset + row}, block column {int(columns[t])} "
+                                  f"< inherited {int(inherited[row])}) of "
+                                  f"{_describe(record)} writes shared block "
+                                  f"{int(blocks[t])}; draft depths have no inherited-"
+                                  f"block redirect, so a scheduler must never draft into "
+                                  f"a request's inherited prefix (with paused rows first, "
+                                  f"set draft_annotation_offset to their count)")
     if bad.size:
         t = int(bad[0])
         row = int(rows[t])

@@ -102,6 +102,10 @@ class MTPMetadata(InputChecks):
         self._shapes: Dict[Tuple[Any, ...], ForwardShape] = {}
         # The last view-writing call, for check_invariants (None before any).
         self.last_forward: Optional[ForwardRecord] = None
+        # Annotation row of draft row 0, for check_invariants only: draft row i belongs
+        # to request_matched_prefix_blocks[draft_annotation_offset + i] (the active
+        # slice; set it to the paused-row count when paused rows come first).
+        self.draft_annotation_offset: int = 0
 
     # ----------------------------------------------------------------- properties
     @property
@@ -502,6 +506,16 @@ class MTPMetadata(InputChecks):
         ``stage_decode_lengths``, and MHA metadata padded to ``padded_count``.
 
         Needs DRAFT mode. Returns the launch shape, computed on the host: no sync.
+        ``max_seqlen_q`` is 1; ``max_seqlen_k`` is ``max_kv_block_count *
+        block_size_tokens`` for a graphed loop (the capture-time bound, so a captured
+        kernel's launch bounds never change), else the largest KV length (at least 1),
+        or None after ``begin_decode`` got device-tensor start positions.
+
+        On the mirror path an eager depth reads the host copy of the offsets and block
+        table that ``begin_decode`` staged (and ``advance_decode_step`` keeps), so an
+        in-place edit of ``active_offsets`` / ``active_block_table`` does not reach it;
+        call ``begin_decode`` again instead. The direct path reads the buffers and
+        sees such an edit.
         """
         backend = self._require_draft_views("setup_decode_step")
         if self.forward_mode is not MTPForwardMode.DRAFT:
@@ -516,8 +530,13 @@ class MTPMetadata(InputChecks):
         if max_kv < 0:  # the kernel found a bad offset and wrote nothing
             self._raise_position_error("active_offsets", backend.host_offsets, count)
         self.last_forward = ForwardRecord("decode", gpu_view, count, padded, count, padded)
-        return self._shape(count, padded, count, padded, 1 if count else 0,
-                           max_kv if backend.host_offsets_known else None)
+        if self.graphed:  # the capture-time bound, the same at every depth and step
+            max_k = self.max_kv_block_count * self.block_size_tokens
+        elif backend.host_offsets_known or not count:
+            max_k = max_kv if max_kv > 1 else 1  # upstream floors an empty forward at 1
+        else:  # offsets came from a device tensor: the maximum would cost a sync
+            max_k = None
+        return self._shape(count, padded, count, padded, 1, max_k)
 
     def _shape(self, *fields: Any) -> ForwardShape:
         """``ForwardShape(*fields)``, built once per distinct shape (shapes repeat step
@@ -538,6 +557,11 @@ class MTPMetadata(InputChecks):
         ``P + 1`` long when ``pad_tokens > 0 and P < R`` (the pad rows get their own
         trailing request), else ``P`` long (a full batch grows its last entry).
         Example: ``[3, 2]``, pad 3 -> ``[3, 2, 3]``; with R = 2 -> ``[3, 5]``.
+
+        One buffer serves as query and KV lengths (a fresh causal prefill), so the
+        pass's attention output is a request's true attention only for a span that
+        starts at position 0; a span starting later populates KV, and its output is
+        not meaningful (a token at ``start + j`` attends over positions ``0..j``).
         """
         backend = self._require("stage_prefill_lengths")
         pad = as_count(pad_tokens, "pad_tokens", high=INT32_LIMIT - 1,
@@ -577,6 +601,19 @@ class MTPMetadata(InputChecks):
         each: ``append_counts``, ``block_table``, ``start_positions`` and
         ``inherited_blocks`` (their values decide the staging and the returned shape).
         Keep them on the host to keep the commit pass free of syncs.
+        ``inherited_blocks`` is per commit-pass request: the ACTIVE slice of the
+        annotations (``request_matched_prefix_blocks[paused:total]``), never the whole
+        array, which with paused rows redirects the wrong requests.
+
+        Attention output: KV length equals query length (a fresh causal prefill), so
+        it is meaningful only for spans starting at position 0; later spans populate
+        KV. ``ForwardShape.max_seqlen_q == max_seqlen_k`` is the largest staged length
+        (at least 1). When ``P == R`` and there is token padding, request ``P - 1``
+        absorbs the pad rows and its KV span runs past what it writes: its
+        ``mha_block_table`` columns that lie wholly at or past ``start + count`` point at
+        the dummy block (upstream copies the caller's row, -1 entries included).
+        Example: BS 4, R 2, counts [3, 3], tables [[0, -1], [1, -1]], 8 tokens ->
+        lengths [3, 5], request 1 reads row [1, D].
         """
         backend = self._require("setup_commit_pass")
         target = self._target(gpu_view)
@@ -627,8 +664,9 @@ class MTPMetadata(InputChecks):
         self.forward_mode = MTPForwardMode.COMMIT
         self.last_forward = ForwardRecord("commit", gpu_view, int(total), padded_tokens,
                                           staged, padded_requests, inherited)
-        return self._shape(int(total), padded_tokens, staged, padded_requests,
-                           int(max_len), int(max_len))
+        max_len = max(int(max_len), 1)  # upstream floors an empty forward at 1
+        return self._shape(int(total), padded_tokens, staged, padded_requests, max_len,
+                           max_len)
 
     # -------------------------------------------------------------------- writers
     def _target(self, gpu_view: Any) -> ViewTarget:

@@ -278,7 +278,10 @@ class ReferenceMTPMetadata:
     # ---------------------------------------------------------------- commit pass
     def stage_prefill_lengths(self, append_counts: Any, pad_tokens: int) -> torch.Tensor:
         """Stage commit-pass lengths into ``query_lengths`` and return a ``[P]`` or
-        ``[P + 1]`` int32 view (the trailing slot owns the pad rows when ``P < R``)."""
+        ``[P + 1]`` int32 view (the trailing slot owns the pad rows when ``P < R``).
+
+        One buffer for query and KV lengths (a fresh causal prefill): the pass's
+        attention output is meaningful only for spans that start at position 0."""
         self._require_buffers("stage_prefill_lengths")
         counts = torch.as_tensor(append_counts)
         P = counts.numel()
@@ -380,13 +383,17 @@ class ReferenceMTPMetadata:
         self.write_token_maps(gpu_view, self.row_ids[:n], self.active_offsets, self.active_block_table, p)
         q, kv = self.stage_decode_lengths()
         self.write_mha_metadata(gpu_view, q, kv, self.active_block_table, p)
+        if self.graphed:  # the capture-time bound: a replayed kernel never reads less
+            max_k = self.max_kv_block_count * self.block_size_tokens
+        else:  # upstream floors the launch bounds of an empty forward at 1
+            max_k = int((self.active_offsets.max() + 1).item()) if n > 0 else 1
         return ForwardShape(
             token_count=n,
             padded_token_count=p,
             request_count=n,
             padded_request_count=p,
-            max_seqlen_q=1 if n > 0 else 0,
-            max_seqlen_k=int((self.active_offsets.max() + 1).item()) if n > 0 else 0,
+            max_seqlen_q=1,
+            max_seqlen_k=max_k,
         )
 
     def setup_commit_pass(
@@ -401,7 +408,11 @@ class ReferenceMTPMetadata:
         padded_request_count: Optional[int] = None,
     ) -> ForwardShape:
         """Stage a varlen commit pass: request ``r < P`` writes ``append_counts[r]``
-        consecutive positions from ``start_positions[r]`` (0 when None) as row ``r``."""
+        consecutive positions from ``start_positions[r]`` (0 when None) as row ``r``.
+
+        ``inherited_blocks`` is per request (the active slice of the annotations). When
+        ``P == R`` absorbs token padding, the last request's block columns past its
+        span read the dummy block (SPEC 6)."""
         self._require_buffers("setup_commit_pass")
         device = self.offsets.device
         counts = _on(append_counts, device).reshape(-1).long()  # [P]
@@ -423,8 +434,16 @@ class ReferenceMTPMetadata:
         m = lengths.numel()
         mha_padded = max(P if padded_request_count is None else padded_request_count, m)
         self.write_mha_metadata(gpu_view, lengths, lengths, _on(block_table, device)[:P], mha_padded)
+        if padded > T and m == P:
+            # P == R: request P - 1 absorbed the pad, so it attends over more keys than it
+            # writes. Its block columns wholly at or past its span's end read the dummy
+            # block, never a -1 or an unwritten block (upstream copies the caller's row).
+            span_end = int((starts[P - 1] + counts[P - 1]).item())
+            first = -(-span_end // self.block_size_tokens)  # ceil
+            gpu_view.mha_block_table[P - 1, first:] = self.dummy_block_idx
         self.forward_mode = MTPForwardMode.COMMIT
-        max_len = int(lengths.max().item()) if m > 0 else 0
+        # Upstream floors the launch bounds of an empty forward at 1.
+        max_len = max(int(lengths.max().item()), 1) if m > 0 else 1
         return ForwardShape(
             token_count=T,
             padded_token_count=padded,

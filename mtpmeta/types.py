@@ -32,10 +32,18 @@ class ForwardShape:
         request_count: request slots with a real or pad-absorbing length (``n``; for a
             commit pass ``P`` or ``P + 1`` when a trailing pad request was staged).
         padded_request_count: request slots the attention kernel launches over.
-        max_seqlen_q: largest per-request query length among the ``request_count`` slots.
-        max_seqlen_k: largest per-request KV length. ``None`` only for a draft depth whose
+        max_seqlen_q: largest per-request query length among the ``request_count``
+            slots (1 for a draft depth).
+        max_seqlen_k: largest per-request KV length; for a graphed draft depth
+            (``graphed=True``, ``begin_decode_for_capture`` included) the capture-time
+            bound ``max_kv_block_count * block_size_tokens`` instead, the same at every
+            depth, so a captured kernel is never replayed with a bound too small for the
+            lengths of a later step. ``None`` only for an eager draft depth whose
             ``begin_decode`` received ``start_positions`` as a device tensor: the host has
             no copy of the offsets and reading one back would be a sync.
+
+    Both maxima are at least 1, as upstream's: a forward with no requests or no tokens
+    reports 1, never 0.
     """
 
     token_count: int

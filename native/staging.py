@@ -313,6 +313,19 @@ def decode_step(offsets, block_table, count, padded, block_size, dummy, query_le
 
 
 @njit(cache=True)
+def dummy_past_span(mha_block_table, row, span_end, block_size, dummy):
+    """Point the columns of ``mha_block_table[row]`` that lie wholly at or past position
+    ``span_end`` at ``dummy``: the pad-absorbing request of a full commit batch attends
+    over ``count + pad`` keys, more than it writes, and must read no block it was not
+    given (a -1 entry, or a block of its own past what it wrote).
+    Example: BS 4, row [1, 5, 7]: span_end 3 or 4 -> [1, D, D]; span_end 5 -> [1, 5, D].
+    """
+    first = (np.int64(span_end) + block_size - 1) // block_size
+    for col in range(first, mha_block_table.shape[1]):
+        mha_block_table[row, col] = dummy
+
+
+@njit(cache=True)
 def commit_pass(counts, starts, has_starts, block_table, inherited, has_inherited,
                 padded_tokens, pad_tokens, max_requests, min_padded_requests, block_size,
                 dummy, lengths, pos_ids, block_idx, local_pos, request_idx,
@@ -323,6 +336,8 @@ def commit_pass(counts, starts, has_starts, block_table, inherited, has_inherite
     Token maps as ``write_commit_token_maps``; lengths as ``stage_prefill_lengths`` into
     ``lengths`` (``m`` = P or P + 1); MHA metadata with ``lengths`` as both query and KV
     over ``max(min_padded_requests, m)`` slots, block rows ``< P`` from ``block_table``.
+    When request ``P - 1`` absorbs the pad (``m == P``, ``pad_tokens > 0``) its block row
+    is then cut back with ``dummy_past_span``.
     """
     num_prefill = counts.shape[0]
     total = write_commit_token_maps(counts, starts, has_starts, block_table, inherited,
@@ -335,4 +350,9 @@ def commit_pass(counts, starts, has_starts, block_table, inherited, has_inherite
                                     padded_requests, dummy, mha_query_lengths,
                                     mha_kv_seq_lengths, mha_cu_query_seq_lengths,
                                     mha_cu_kv_seq_lengths, mha_block_table)
+    if pad_tokens > 0 and staged == num_prefill:
+        last = num_prefill - 1
+        start = np.int64(starts[last]) if has_starts else np.int64(0)
+        dummy_past_span(mha_block_table, last, start + counts[last], block_size, dummy)
     return total, staged, padded_requests, max_len
+

@@ -93,7 +93,8 @@ def test_device_prefill_lengths_match_reference(device_route, rng, count, pad):
 @pytest.mark.parametrize("graphed", [False, True])
 def test_device_begin_decode_runs_the_draft_loop_on_device_ops(device_route, rng, graphed):
     """start_positions on the device: the host has no offsets copy, so the depth is
-    computed by device ops and ForwardShape.max_seqlen_k is None."""
+    computed by device ops; ForwardShape.max_seqlen_k is None for an eager depth (the
+    maximum would cost a sync) and the capture-time bound W * BS for a graphed one."""
     meta, ref, view, ref_view = _pair()
     n, padded = 5, 7
     starts = torch.tensor(rng.integers(0, 12, meta.max_requests), dtype=torch.int32)
@@ -104,7 +105,9 @@ def test_device_begin_decode_runs_the_draft_loop_on_device_ops(device_route, rng
     for _ in range(3):
         shape = meta.setup_decode_step(view)
         expected = ref.setup_decode_step(ref_view)
-        assert shape.max_seqlen_k is None
+        bound = meta.max_kv_block_count * meta.block_size_tokens
+        assert shape.max_seqlen_k == (bound if graphed else None)
+        assert shape.max_seqlen_q == expected.max_seqlen_q == 1
         assert (shape.token_count, shape.padded_token_count) == \
             (expected.token_count, expected.padded_token_count)
         assert_views_equal(view, ref_view)

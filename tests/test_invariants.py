@@ -31,8 +31,10 @@ debug_env_off = pytest.mark.skipif(os.environ.get("MTPMETA_DEBUG") == "1",
 TABLE = np.arange(R * W, dtype=np.int32).reshape(R, W)  # real block ids, never D
 
 
-def _draft(meta, view, starts=(1, 6, 13), padded=5):
-    """begin_decode for len(starts) requests padded to ``padded``, one setup."""
+def _draft(meta, view, starts=(5, 9, 13), padded=5):
+    """begin_decode for len(starts) requests padded to ``padded``, one setup. The
+    default starts lie past the inherited blocks of ``_commit``'s annotations [1, 0, 2],
+    also after the row move [2] -> [1] some tests make ([1, 2, 2])."""
     meta.begin_decode(len(starts), padded, np.array(starts), TABLE, False)
     return meta.setup_decode_step(view)
 
@@ -74,7 +76,8 @@ def test_invariants_hold_through_a_valid_scheduler_sequence(path):
         lambda: meta.reset_request_rows(slice(3, None)),
         lambda: meta.carry_chunk_boundary(torch.ones(8), 7, 11),
         lambda: meta.take_chunk_boundary(7, 11),
-        lambda: meta.begin_decode(3, 5, np.array([1, 6, 13]), TABLE, False),
+        # draft positions past each row's inherited blocks (annotations [3, 0, 2])
+        lambda: meta.begin_decode(3, 5, np.array([13, 6, 9]), TABLE, False),
         lambda: meta.setup_decode_step(view),
         lambda: meta.advance_decode_step(),
         lambda: meta.setup_decode_step(view),
@@ -247,6 +250,58 @@ def test_inherited_blocks_are_never_rewritten(path):
         meta.check_invariants()
 
 
+def test_draft_tokens_never_land_in_inherited_blocks(path):
+    """A draft depth has no inherited-block redirect. Annotation 2 over table
+    [10, 11, 12] (BS 4) means blocks 10 and 11 are shared prefix blocks; a draft at
+    position 6 writes block 11 and corrupts every request sharing it. A correct
+    scheduler never drafts there, so the checker (and MTPMETA_DEBUG=1, which raises on
+    the setup call itself) reports the broken caller. Position 8 (column 2) is fine."""
+    meta = make_metadata(path, max_kv_block_count=3)
+    view, _ = make_views(meta)
+    meta.request_matched_prefix_blocks[0] = 2
+    meta.begin_decode(1, 2, [8], [[10, 11, 12]], False)
+    meta.setup_decode_step(view)
+    meta.check_invariants()
+    meta.end_forward()
+    meta.begin_decode(1, 2, [6], [[10, 11, 12]], False)
+    with pytest.raises(InvariantError, match=r"^inherited blocks: draft token 0 \(draft "
+                                             r"row 0 = annotation row 0, block column 1 < "
+                                             r"inherited 2\) of the last decode forward "
+                                             r"writes shared block 11"):
+        meta.setup_decode_step(view)
+        meta.check_invariants()
+
+
+def test_draft_rows_read_the_annotations_of_the_declared_offset(path):
+    """Draft row i is active row i, i.e. annotation row paused + i when paused rows come
+    first. Row 0 is paused with a 3-block prefix hit; the active request in row 1 has
+    none and drafts at position 2. Read against row 0 that draft looks like a write into
+    a shared block (a false positive); with draft_annotation_offset = 1 it passes, and a
+    real violation is then reported against annotation row 1. The first check keeps the
+    counts of its forward: a later row move does not change a passed verdict."""
+    meta, view = _checked_meta(path)
+    meta.request_matched_prefix_blocks[:2] = torch.tensor([3, 0], dtype=torch.int32)
+    meta.draft_annotation_offset = 1
+    meta.begin_decode(1, 1, [2], TABLE[1:], False)
+    meta.setup_decode_step(view)
+    meta.check_invariants()
+    meta.move_request_rows([0], [1])  # row 1 now claims 3 blocks: the record is older
+    meta.check_invariants()
+    meta.end_forward()
+
+    meta.request_matched_prefix_blocks[:2] = torch.tensor([0, 1], dtype=torch.int32)
+    meta.begin_decode(1, 1, [2], TABLE[1:], False)
+    with pytest.raises(InvariantError, match=r"^inherited blocks: draft token 0 \(draft "
+                                             r"row 0 = annotation row 1, block column 0 < "
+                                             r"inherited 1\) .* writes shared block 6"):
+        meta.setup_decode_step(view)
+        meta.check_invariants()
+    meta.draft_annotation_offset = R  # no room for the one draft row
+    with pytest.raises(InvariantError, match=r"^inherited blocks: draft_annotation_offset "
+                                             r"8 puts the 1 draft rows outside the 8 "):
+        meta.check_invariants()
+
+
 @pytest.mark.parametrize("value", [-1, W + 1])
 def test_annotations_stay_within_the_block_table(path, value):
     """A prefix-match count outside [0, W] cannot describe a block-table row."""
@@ -368,7 +423,7 @@ _DEBUG_SCRIPT = textwrap.dedent("""
                                padded_token_count=12)
         meta.end_forward()
         meta.move_request_rows([2], [1])
-        meta.begin_decode(3, 5, np.array([1, 6, 13]), table, False)
+        meta.begin_decode(3, 5, np.array([5, 9, 13]), table, False)
         meta.setup_decode_step(view)
         view.token_to_block_idx[4] = 7  # corrupt a pad row between two calls
         try:

@@ -170,7 +170,7 @@ def test_decode_step_pads_to_dummy_tokens_and_empty_requests(path):
     table = [[3, 4, D, D, D, D], [7, 9, D, D, D, D]]
     meta.begin_decode(2, 4, [5, 11], table, graphed=True)
     shape = meta.setup_decode_step(view)
-    assert shape == ForwardShape(2, 4, 2, 4, 1, 12)
+    assert shape == ForwardShape(2, 4, 2, 4, 1, 6 * 8)  # graphed: the bound W * BS
     assert field(view, "token_to_block_idx")[:5] == [3, 9, D, D, S]
     assert field(view, "token_to_local_position_within_kv_block")[:5] == [5, 3, 0, 0, S]
     assert field(view, "token_to_request_idx")[:5] == [0, 1, S, S, S]
@@ -207,7 +207,7 @@ def test_decode_step_after_capture_staging_touches_only_the_dummy_block(path):
     meta = make_metadata(path)
     view = make_view("context")
     meta.begin_decode_for_capture(3)
-    assert meta.setup_decode_step(view) == ForwardShape(3, 3, 3, 3, 1, 1)
+    assert meta.setup_decode_step(view) == ForwardShape(3, 3, 3, 3, 1, 6 * 4)  # W * BS
     assert field(view, "token_to_block_idx")[:4] == [D, D, D, S]
     assert field(view, "token_to_local_position_within_kv_block")[:4] == [0, 0, 0, S]
     assert field(view, "mha_cu_kv_seq_lengths")[:5] == [0, 1, 2, 3, S]
@@ -276,13 +276,15 @@ def test_commit_pass_gives_the_pad_rows_a_spare_request(path):
 
 
 def test_commit_pass_full_batch_grows_the_last_request(path):
-    """P == R leaves no spare slot: request 1 owns the 3 pad rows (length 5)."""
+    """P == R leaves no spare slot: request 1 owns the 3 pad rows (length 5). It writes
+    positions 0-1 (column 0) but attends over 5 keys, so its columns from 1 on read the
+    dummy block, never a block it was not given (SPEC 6)."""
     _, view, shape = _commit(path, max_requests=2, counts=[3, 2], table=TABLE[:2],
                              padded_token_count=8)
     assert shape == ForwardShape(5, 8, 2, 2, 5, 5)
     assert field(view, "mha_query_lengths") == [3, 5]
     assert field(view, "mha_cu_query_seq_lengths") == [0, 3, 8]
-    assert field(view, "mha_block_table") == TABLE[:2]
+    assert field(view, "mha_block_table") == [TABLE[0], [20] + [D] * 5]
     assert field(view, "token_to_block_idx")[:9] == [10, 10, 10, 20, 20, D, D, D, S]
 
 

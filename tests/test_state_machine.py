@@ -268,8 +268,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         starts = [0] * n
         for row in range(n):
             req = self.requests[row]
-            if req is not None:
-                starts[row] = req.pos + req.pending
+            if req is not None:  # never inside its inherited (shared) prefix blocks
+                starts[row] = max(req.pos + req.pending, req.prefix * self.BS)
         room = min((self.span - s for s in starts), default=self.span)
         if room < 1:  # a request filled its table: the scheduler finishes it first
             return
