@@ -511,9 +511,9 @@ class MTPMetadata(InputChecks):
         kernel's launch bounds never change), else the largest KV length (at least 1),
         or None after ``begin_decode`` got device-tensor start positions.
 
-        On the mirror path an eager depth reads the host copy of the offsets and block
-        table that ``begin_decode`` staged (and ``advance_decode_step`` keeps), so an
-        in-place edit of ``active_offsets`` / ``active_block_table`` does not reach it;
+        On the mirror path every depth, eager or graphed, reads the host copy of the
+        offsets and block table that ``begin_decode`` staged (and
+        ``advance_decode_step`` keeps), so an in-place edit of ``active_offsets`` / ``active_block_table`` does not reach it;
         call ``begin_decode`` again instead. The direct path reads the buffers and
         sees such an edit.
         """

@@ -171,12 +171,12 @@ def test_mirror_path_eager_depths_ignore_in_place_edits_until_begin_decode():
     assert view.token_to_block_idx[:2].tolist() == [int(TABLE[0, 2]), 42]
     meta.end_forward()
 
-    # A graphed depth is computed from the device buffers, so there the edit does show
-    # (the README says so too): one more reason not to rely on either behaviour.
+    # A graphed depth stages from the same host copy (SPEC §9), so it ignores the edit
+    # too: the mirror path behaves one way for every depth.
     meta.begin_decode(2, 2, np.array([5, 11]), TABLE, True)
     meta.active_offsets[0] = 8
     meta.setup_decode_step(view)
-    assert view.token_to_pos_ids[:2].tolist() == [8, 11]
+    assert view.token_to_pos_ids[:2].tolist() == [5, 11]
 
 
 # ---------------------------------------------------------- full-batch pad absorption
