@@ -9,6 +9,7 @@ of device inputs to a commit pass, and the staging ring's size.
 
 from __future__ import annotations
 
+import os
 from typing import Any, List
 
 import numpy as np
@@ -270,6 +271,9 @@ def device_route(monkeypatch):
                         lambda value: isinstance(value, torch.Tensor))
 
 
+@pytest.mark.skipif(os.environ.get("MTPMETA_DEBUG") == "1",
+                    reason="feeds out-of-table offsets on purpose; the debug checker "
+                           "rightly flags them as a broken caller")
 def test_device_start_positions_outside_the_table_write_only_the_dummy_block(device_route):
     """Failure story: device start positions cannot be checked without a sync; one past
     ``W * BS`` (or negative) made the draft depth's gather index outside the table, a
