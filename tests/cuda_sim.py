@@ -1,0 +1,590 @@
+"""A CUDA-semantics simulator for CPU tests: streams, events, lag, graph capture.
+
+Every tensor stays a CPU tensor; what the simulator adds is CUDA's *ordering*. A
+``TorchDispatchMode`` sees every aten op and sorts storages into three kinds:
+
+* pinned host: storages made by the sim runtime's ``host_empty`` (the library's staging);
+* device: storages made by factory ops (``zeros``/``empty``/``full``/``arange``...) while
+  the sim is active, and outputs of ops that read device storage;
+* pageable host: everything else (made before the sim, ``torch.from_numpy``,
+  ``torch.tensor``, outputs of host-only ops).
+
+Ops that touch device storage are *queued* on the current ``SimStream`` and run later,
+when the "device" gets to them: after each intercepted op and each event/fence call it
+runs a seeded random number of pending ops (often none, sometimes many), so the host runs
+ahead. View ops run at once (they read nothing). A queued copy reads its source when it
+*executes*, so a pinned slot the host rewrote before then is what the device copies (the
+pinned-slot reuse race). Ops whose result the host needs (``.item()``, ``equal``,
+data-dependent shapes, blocking copies) drain the queues first and count as a sync.
+
+Events, ``stream.wait_event``, ``with sim.capture(graph)`` (ops recorded, not run; a
+sync inside raises like CUDA) and ``graph.replay()`` follow CUDA's rules. The library
+reaches the simulator only through ``mtpmeta.runtime.use_runtime`` (entered by ``with
+sim:``): ``host_empty``, ``event``, ``current_stream``, ``is_capturing`` and ``fence``,
+the last returning the library's own ``CopyFence`` unless ``disable_fences`` (the
+negative control) asks for a no-op fence. Nothing inside the library is patched.
+
+An op that raises when it executes is a device-side fault: recorded, and re-raised as
+``SimDeviceError`` at every later sync (CUDA's sticky error). Copies are modelled
+pessimistically: an async copy from *pageable* memory is counted
+(``pageable_async_copies``) and, like a pinned one, reads its source when it executes
+(real CUDA would hide a stream sync in it instead; either is a hazard).
+
+Not simulated: "device" tensors are CPU tensors, so library code that branches on
+``tensor.is_cpu`` takes its host route for them, and ``.cpu()``/``.numpy()``/
+``.tolist()`` read them without any aten op (no sync is seen, and the value may be one
+the device has not written yet). There is no caching-allocator model, so freeing memory
+a queued op still reads (a missing ``record_stream``) is invisible.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import weakref
+from collections import deque
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from mtpmeta.runtime import CopyFence, use_runtime
+
+__all__ = ["CudaSim", "SimStream", "SimEvent", "SimGraph", "SimDeviceError",
+           "CaptureSyncError", "PINNED", "DEVICE", "PAGEABLE"]
+
+PINNED, DEVICE, PAGEABLE = "pinned", "device", "pageable"
+_TENSOR_RETURNS = ("Tensor", "Tensor[]", "Tensor?", "Tensor?[]")
+_COPY = torch.ops.aten.copy_.default
+# In-place ops that change only a tensor's metadata: they run at once, like views.
+_METADATA_OPS = frozenset(f"aten::{name}_" for name in (
+    "as_strided", "transpose", "t", "unsqueeze", "squeeze", "swapdims", "swapaxes",
+    "detach", "resize", "set"))
+
+
+class SimDeviceError(RuntimeError):
+    """A queued op raised when it executed (CUDA: a device-side assert). Sticky."""
+
+
+class CaptureSyncError(RuntimeError):
+    """A sync, event query or blocking copy while a stream is capturing."""
+
+
+class _Item:
+    __slots__ = ("run", "label", "wait_for", "reads_pinned")
+
+    def __init__(self, run: Optional[Callable[[], Any]], label: str,
+                 wait_for: Optional[tuple] = None, reads_pinned: bool = False) -> None:
+        self.run = run
+        self.label = label
+        self.wait_for = wait_for  # (stream, target): runnable once stream.executed >= target
+        self.reads_pinned = reads_pinned
+
+
+class SimStream:
+    """An ordered queue of pending device ops."""
+
+    def __init__(self, sim: "CudaSim", name: str) -> None:
+        self.sim = sim
+        self.name = name
+        self.queue: Deque[_Item] = deque()
+        self.issued = 0  # items ever enqueued
+        self.executed = 0  # items ever executed (a prefix of the issued ones)
+        self.capture: Optional["SimGraph"] = None
+
+    def wait_event(self, event: "SimEvent") -> None:
+        """Later work on this stream runs only after the event's recorded work."""
+        self.sim._wait_event(self, event)
+
+    def synchronize(self) -> None:
+        self.sim._host_sync(f"stream {self.name} synchronize", streams=[self])
+
+    def __repr__(self) -> str:
+        return f"SimStream({self.name}, pending={len(self.queue)})"
+
+
+class SimEvent:
+    """CUDA event semantics: ``record`` marks a queue position of a stream."""
+
+    def __init__(self, sim: "CudaSim") -> None:
+        self.sim = sim
+        self.stream: Optional[SimStream] = None
+        self.target = 0
+        self.captured = False  # last recorded inside a capture (cudaErrorCapturedEvent)
+
+    def record(self, stream: Optional[SimStream] = None) -> None:
+        sim = self.sim
+        sim._tick()
+        stream = stream if stream is not None else sim.current_stream
+        if stream.capture is not None:
+            self.captured = True
+            self.stream = None
+            sim.captured_event_records += 1
+            return
+        self.captured = False
+        self.stream = stream
+        self.target = stream.issued
+        sim._note_record(self)
+
+    def _done(self) -> bool:
+        return self.stream is None or self.stream.executed >= self.target
+
+    def _check_usable(self, what: str) -> None:
+        self.sim._refuse_if_capturing(f"event {what}")
+        if self.captured:
+            raise RuntimeError(f"event {what}: operation not permitted on an event last "
+                               "recorded in a capturing stream (cudaErrorCapturedEvent)")
+
+    def query(self) -> bool:
+        self.sim._tick()
+        self._check_usable("query")
+        self.sim.event_queries += 1
+        return self._done()
+
+    def synchronize(self) -> None:
+        self.sim._tick()
+        self._check_usable("synchronize")
+        if not self._done():
+            self.sim.stalls += 1
+            self.sim._run_until(self._done, "event synchronize")
+        self.sim._raise_device_error()
+
+    def wait(self, stream: Optional[SimStream] = None) -> None:
+        (stream if stream is not None else self.sim.current_stream).wait_event(self)
+
+
+class SimGraph:
+    """Ops recorded by ``sim.capture``; ``replay`` re-issues them on the current stream
+    against the same tensors, with whatever those tensors hold then."""
+
+    def __init__(self) -> None:
+        self.sim: Optional["CudaSim"] = None
+        self.items: List[_Item] = []
+        self.invalidated = False
+
+    @property
+    def pinned_reads(self) -> int:
+        """Recorded copies whose source is pinned host memory."""
+        return sum(item.reads_pinned for item in self.items)
+
+    def replay(self) -> None:
+        sim = self.sim
+        if sim is None:
+            raise RuntimeError("replay: this graph was never captured")
+        if self.invalidated:
+            raise RuntimeError("replay: the capture was invalidated")
+        stream = sim.current_stream
+        if stream.capture is not None:
+            raise CaptureSyncError("replay: graph launch inside a capture is not simulated")
+        for item in self.items:
+            sim._push(stream, item)
+        sim.replays += 1
+        sim._tick()
+
+
+class _NoOpFence:
+    """The negative control's fence: records nothing, never waits."""
+
+    def record(self) -> None:
+        pass
+
+    def wait(self) -> None:
+        pass
+
+    def pending(self) -> bool:
+        return False
+
+
+class SimRuntime:
+    """The ``mtpmeta.runtime.DeviceRuntime`` the simulator installs."""
+
+    def __init__(self, sim: "CudaSim") -> None:
+        self.sim = sim
+
+    def host_empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        return self.sim.host_empty(shape, dtype)
+
+    def event(self, device: torch.device) -> SimEvent:
+        return SimEvent(self.sim)
+
+    def current_stream(self, device: torch.device) -> SimStream:
+        return self.sim.current_stream
+
+    def is_capturing(self, device: torch.device) -> bool:
+        return self.sim.current_stream.capture is not None
+
+    def fence(self, device: torch.device) -> Any:
+        self.sim._tick()
+        self.sim.fences_made += 1
+        if self.sim.disable_fences:
+            return _NoOpFence()
+        return CopyFence(device, self)
+
+
+class _SimMode(TorchDispatchMode):
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # Nothing here is compiled: do not wrap __torch_dispatch__ in dynamo's disable
+        # (its first call would import torch._dynamo, ~2 s of CPU per process).
+        return False
+
+    def __init__(self, sim: "CudaSim") -> None:
+        super().__init__()
+        self.sim = sim
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self.sim._dispatch(func, args, kwargs or {})
+
+
+def _poison(tensor: torch.Tensor) -> None:
+    """Fill not-yet-initialised device memory with a value no test expects."""
+    if tensor.numel() == 0 or tensor.dtype == torch.bool:
+        return
+    if tensor.dtype.is_floating_point or tensor.dtype.is_complex:
+        tensor.fill_(float("nan"))
+    else:
+        tensor.fill_(torch.iinfo(tensor.dtype).max // 3)
+
+
+def _to_meta(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return torch.empty_strided(value.size(), value.stride(), dtype=value.dtype,
+                                   device="meta")
+    if isinstance(value, torch.device):
+        return torch.device("meta")
+    return value
+
+
+class CudaSim:
+    """The simulator. ``with sim:`` installs its runtime and dispatch mode.
+
+    Args:
+        seed: seeds the device's lag and the interleaving of streams.
+        idle: probability that the device runs nothing after a host op.
+        burst: probability that it then runs a burst (1..``burst_max`` ops) rather than
+            one or two.
+        disable_fences: hand the library no-op fences (the negative control).
+    """
+
+    def __init__(self, seed: int = 0, *, idle: float = 0.85, burst: float = 0.1,
+                 burst_max: int = 32, disable_fences: bool = False) -> None:
+        self.rng = random.Random(seed)
+        self.idle = idle
+        self.burst = burst
+        self.burst_max = burst_max
+        self.disable_fences = disable_fences
+        self.runtime = SimRuntime(self)
+        self.default_stream = SimStream(self, "default")
+        self.streams: List[SimStream] = [self.default_stream]
+        self.current_stream = self.default_stream
+        self._kinds: Dict[int, str] = {}
+        self._keep: List[Any] = []  # registered storages stay alive: ids never reused
+        self._executing = False
+        self._stack: Optional[contextlib.ExitStack] = None
+        self._recorded: "weakref.WeakSet[SimEvent]" = weakref.WeakSet()
+        self.device_error: Optional[BaseException] = None
+        # Counters.
+        self.syncs = 0
+        self.sync_reasons: List[str] = []
+        self.pageable_async_copies = 0
+        self.pageable_log: List[str] = []
+        self.stalls = 0  # event synchronize calls that had to wait for the device
+        self.event_queries = 0
+        self.fences_made = 0
+        self.captured_event_records = 0
+        self.replays = 0
+        self.issued = 0
+        self.executed = 0
+        self.max_pending = 0
+        self.max_inflight_events = 0
+
+    # ------------------------------------------------------------ activation
+    def __enter__(self) -> "CudaSim":
+        if self._stack is not None:
+            raise RuntimeError("CudaSim is not re-entrant")
+        stack = contextlib.ExitStack()
+        stack.enter_context(use_runtime(self.runtime))
+        stack.enter_context(_SimMode(self))
+        self._stack = stack
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        stack, self._stack = self._stack, None
+        stack.__exit__(*exc)
+
+    # ----------------------------------------------------------------- memory
+    def kind(self, tensor: torch.Tensor) -> str:
+        """``PINNED``, ``DEVICE`` or ``PAGEABLE`` for the tensor's storage."""
+        return self._kinds.get(tensor.untyped_storage()._cdata, PAGEABLE)
+
+    def _register(self, tensor: torch.Tensor, kind: str) -> None:
+        storage = tensor.untyped_storage()
+        self._kinds[storage._cdata] = kind
+        self._keep.append(storage)
+
+    def host_empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """Pinned host memory (what the sim runtime hands the library)."""
+        with self.bypass():
+            tensor = torch.empty(tuple(shape), dtype=dtype)
+        self._register(tensor, PINNED)
+        return tensor
+
+    def peek(self, tensor: torch.Tensor) -> torch.Tensor:
+        """What the memory holds right now, without a sync (a test-only look)."""
+        with self.bypass():
+            return tensor.clone()
+
+    @contextlib.contextmanager
+    def bypass(self) -> Iterator[None]:
+        """Torch ops inside run plainly: nothing queued, nothing registered (for the
+        reference and for test bookkeeping)."""
+        previous = self._executing
+        self._executing = True
+        try:
+            yield
+        finally:
+            self._executing = previous
+
+    # ---------------------------------------------------------------- streams
+    def Stream(self, name: Optional[str] = None) -> SimStream:
+        stream = SimStream(self, name or f"s{len(self.streams)}")
+        self.streams.append(stream)
+        return stream
+
+    def Event(self) -> SimEvent:
+        return SimEvent(self)
+
+    @contextlib.contextmanager
+    def stream(self, stream: SimStream) -> Iterator[SimStream]:
+        previous = self.current_stream
+        self.current_stream = stream
+        try:
+            yield stream
+        finally:
+            self.current_stream = previous
+
+    @contextlib.contextmanager
+    def capture(self, graph: SimGraph) -> Iterator[SimGraph]:
+        """Capture on the current stream: its ops are recorded into ``graph``."""
+        stream = self.current_stream
+        if stream.capture is not None:
+            raise RuntimeError("capture: the stream is already capturing")
+        graph.sim = self
+        stream.capture = graph
+        try:
+            yield graph
+        finally:
+            stream.capture = None
+        if graph.invalidated:
+            raise CaptureSyncError("capture: invalidated by an operation not permitted "
+                                   "while capturing (cudaErrorStreamCaptureInvalidated)")
+
+    def capturing(self) -> bool:
+        return any(s.capture is not None for s in self.streams)
+
+    def pending(self) -> int:
+        return sum(len(s.queue) for s in self.streams)
+
+    def synchronize(self) -> None:
+        """Drain every stream (a device sync)."""
+        self._host_sync("synchronize")
+
+    # -------------------------------------------------------------- execution
+    def _push(self, stream: SimStream, item: _Item) -> None:
+        if stream.capture is not None:
+            stream.capture.items.append(item)
+            return
+        stream.queue.append(item)
+        stream.issued += 1
+        self.issued += 1
+        pending = self.pending()
+        if pending > self.max_pending:
+            self.max_pending = pending
+
+    def _enqueue(self, run: Callable[[], Any], label: str, reads_pinned: bool = False) -> None:
+        self._push(self.current_stream, _Item(run, label, None, reads_pinned))
+
+    def _wait_event(self, stream: SimStream, event: SimEvent) -> None:
+        if event.captured:
+            if stream.capture is None:
+                raise RuntimeError("wait_event: the event was last recorded in a capture "
+                                   "(cudaErrorCapturedEvent)")
+            return  # a dependency inside one capture: the graph is already sequential
+        if event.stream is None or event._done():
+            return
+        if stream.capture is not None:
+            raise CaptureSyncError("wait_event: waiting on an event from outside the "
+                                   "capture (cudaErrorStreamCaptureIsolation)")
+        self._push(stream, _Item(None, "wait_event", (event.stream, event.target)))
+
+    def _ready(self, stream: SimStream) -> bool:
+        if not stream.queue:
+            return False
+        wait_for = stream.queue[0].wait_for
+        return wait_for is None or wait_for[0].executed >= wait_for[1]
+
+    def _step(self, streams: Optional[List[SimStream]] = None) -> bool:
+        """Execute the head of one random ready stream; False when none is ready."""
+        ready = [s for s in (streams or self.streams) if self._ready(s)]
+        if not ready:
+            return False
+        stream = ready[0] if len(ready) == 1 else self.rng.choice(ready)
+        item = stream.queue.popleft()
+        if item.run is not None and self.device_error is None:
+            with self.bypass():
+                try:
+                    item.run()
+                except Exception as error:  # a device-side fault: sticky
+                    self.device_error = SimDeviceError(
+                        f"device-side fault in queued op {item.label}: {error}")
+        stream.executed += 1
+        self.executed += 1
+        return True
+
+    def _tick(self) -> None:
+        """The device runs a random number of pending ops (it lags behind the host)."""
+        if self._executing:
+            return
+        rng = self.rng
+        if rng.random() < self.idle:
+            return
+        count = rng.randint(1, self.burst_max) if rng.random() < self.burst else \
+            rng.randint(1, 2)
+        for _ in range(count):
+            if not self._step():
+                return
+
+    def _run_until(self, done: Callable[[], bool], reason: str,
+                   streams: Optional[List[SimStream]] = None) -> None:
+        while not done():
+            if not self._step(streams) and not self._step():
+                raise RuntimeError(f"{reason}: deadlock, pending ops can never run")
+
+    def _note_record(self, event: SimEvent) -> None:
+        self._recorded.add(event)
+        inflight = sum(1 for e in self._recorded if not e._done())
+        if inflight > self.max_inflight_events:
+            self.max_inflight_events = inflight
+
+    def _refuse_if_capturing(self, what: str) -> None:
+        for stream in self.streams:
+            if stream.capture is not None:
+                stream.capture.invalidated = True
+                raise CaptureSyncError(f"{what}: operation not permitted when stream is "
+                                       "capturing")
+
+    def _raise_device_error(self) -> None:
+        if self.device_error is not None:
+            raise self.device_error
+
+    def _host_sync(self, reason: str, streams: Optional[List[SimStream]] = None) -> None:
+        self._refuse_if_capturing(reason)
+        self.syncs += 1
+        self.sync_reasons.append(reason)
+        targets = streams or self.streams
+        self._run_until(lambda: not any(s.queue for s in targets), reason, targets)
+        self._raise_device_error()
+
+    # --------------------------------------------------------------- dispatch
+    def _dispatch(self, func, args: tuple, kwargs: dict) -> Any:
+        if self._executing:
+            return func(*args, **kwargs)
+        try:
+            return self._route(func, args, kwargs)
+        finally:
+            self._tick()
+
+    def _route(self, func, args: tuple, kwargs: dict) -> Any:
+        if func.is_view or func._schema.name in _METADATA_OPS:  # reads no data
+            return func(*args, **kwargs)
+        tensors = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+        if not tensors:
+            return self._factory(func, args, kwargs)
+        kinds = [self.kind(t) for t in tensors]
+        if func is _COPY:
+            return self._copy(args, kwargs)
+        if DEVICE not in kinds:
+            return func(*args, **kwargs)  # host only: runs now
+        for tensor, kind in zip(tensors, kinds):
+            if kind != DEVICE and tensor.dim() > 0:
+                raise RuntimeError(f"{func}: expected all tensors on the device, got a "
+                                   f"{kind} host tensor of shape {tuple(tensor.shape)}")
+        schema = func._schema
+        if any(str(r.type) not in _TENSOR_RETURNS for r in schema.returns):
+            self._host_sync(f"{func} (the host needs the result)")
+            return func(*args, **kwargs)
+        if schema.is_mutable:
+            self._enqueue(lambda: func(*args, **kwargs), str(func))
+            return self._mutated(func, args, kwargs)
+        try:
+            meta = func(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
+        except Exception:  # data-dependent shape (nonzero, masked_select...): a sync
+            self._host_sync(f"{func} (data-dependent output shape)")
+            result = func(*args, **kwargs)
+            for out in tree_flatten(result)[0]:
+                if isinstance(out, torch.Tensor):
+                    self._register(out, DEVICE)
+            return result
+        flat_meta, spec = tree_flatten(meta)
+        outs = []
+        for m in flat_meta:
+            if isinstance(m, torch.Tensor):
+                out = torch.empty_strided(m.size(), m.stride(), dtype=m.dtype)
+                _poison(out)
+                self._register(out, DEVICE)
+                outs.append(out)
+            else:
+                outs.append(m)
+
+        def run() -> None:
+            values = tree_flatten(func(*args, **kwargs))[0]
+            for out, value in zip(outs, values):
+                if isinstance(out, torch.Tensor):
+                    out.copy_(value)
+
+        self._enqueue(run, str(func))
+        return spec.unflatten(outs)
+
+    @staticmethod
+    def _mutated(func, args: tuple, kwargs: dict) -> Any:
+        written = []
+        for index, argument in enumerate(func._schema.arguments):
+            if argument.alias_info is not None and argument.alias_info.is_write:
+                written.append(args[index] if index < len(args) else kwargs[argument.name])
+        count = len(func._schema.returns)
+        if count == 0:
+            return None
+        return written[0] if count == 1 else tuple(written[:count])
+
+    def _factory(self, func, args: tuple, kwargs: dict) -> Any:
+        result = func(*args, **kwargs)
+        if not isinstance(result, torch.Tensor):
+            return result
+        self._register(result, DEVICE)
+        if func._schema.name.startswith("aten::empty"):
+            _poison(result)
+        else:  # the initialisation is device work: queued, memory poisoned until then
+            init = result.clone()
+            _poison(result)
+            self._enqueue(lambda: result.copy_(init), str(func))
+        return result
+
+    def _copy(self, args: tuple, kwargs: dict) -> torch.Tensor:
+        dst, src = args[0], args[1]
+        non_blocking = bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+        dst_kind, src_kind = self.kind(dst), self.kind(src)
+        if dst_kind != DEVICE and src_kind != DEVICE:
+            return _COPY(dst, src, non_blocking)  # host to host: runs now
+        crosses = (dst_kind == DEVICE) != (src_kind == DEVICE)
+        to_device = src_kind != DEVICE
+        if crosses and non_blocking and to_device and src_kind == PAGEABLE:
+            self.pageable_async_copies += 1
+            self.pageable_log.append(f"non_blocking copy of {tuple(src.shape)} "
+                                     f"{src.dtype} from pageable host memory")
+        label = "H2D copy" if crosses and to_device else "D2H copy" if crosses else "D2D copy"
+        self._enqueue(lambda: _COPY(dst, src, non_blocking), label,
+                      reads_pinned=crosses and to_device and src_kind == PINNED)
+        if crosses and not non_blocking:
+            self._host_sync(f"blocking {label}", streams=[self.current_stream])
+        return dst
