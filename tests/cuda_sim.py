@@ -205,6 +205,9 @@ class SimRuntime:
     def host_empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         return self.sim.host_empty(shape, dtype)
 
+    def is_host(self, tensor: torch.Tensor) -> bool:
+        return self.sim.kind(tensor) != DEVICE
+
     def event(self, device: torch.device) -> SimEvent:
         return SimEvent(self.sim)
 
