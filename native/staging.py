@@ -110,6 +110,33 @@ def check_token_inputs(rows, positions, num_table_rows, num_inherited, has_inher
     return TOKENS_OK, -1
 
 
+@njit(cache=True, inline='always')
+def _write_token(t, row, position, protected, block_table, block_size, dummy, pos_ids,
+                 block_idx, local_pos, request_idx, position_in_request):
+    """Token ``t`` of request ``row`` writes ``position`` (int64): ``col = pos // BS``;
+    block ``D`` when ``col < protected`` (inherited KV is never rewritten), else
+    ``block_table[row, col]``; local offset ``pos % BS``; request ``row``; both
+    position fields ``pos``. The per-token rule of every token-map writer here."""
+    column = position // block_size
+    if column < protected:
+        block_idx[t] = dummy
+    else:
+        block_idx[t] = block_table[row, column]
+    local_pos[t] = position - column * block_size
+    request_idx[t] = row
+    position_in_request[t] = position
+    pos_ids[t] = position
+
+
+@njit(cache=True, inline='always')
+def _pad_token_maps(count, padded, dummy, block_idx, local_pos):
+    """Pad tokens ``[count, padded)`` write slot 0 of the dummy block; their other
+    fields are left as they are."""
+    for t in range(count, padded):
+        block_idx[t] = dummy
+        local_pos[t] = 0
+
+
 @njit(cache=True)
 def write_token_maps(rows, positions, block_table, inherited, has_inherited, padded,
                      block_size, dummy, pos_ids, block_idx, local_pos, request_idx,
@@ -129,19 +156,10 @@ def write_token_maps(rows, positions, block_table, inherited, has_inherited, pad
     count = positions.shape[0]
     for t in range(count):
         row = rows[t]
-        position = np.int64(positions[t])
-        column = position // block_size
-        if has_inherited and column < inherited[row]:
-            block_idx[t] = dummy
-        else:
-            block_idx[t] = block_table[row, column]
-        local_pos[t] = position - column * block_size
-        request_idx[t] = row
-        position_in_request[t] = position
-        pos_ids[t] = position
-    for t in range(count, padded):
-        block_idx[t] = dummy
-        local_pos[t] = 0
+        protected = np.int64(inherited[row]) if has_inherited else np.int64(0)
+        _write_token(t, row, np.int64(positions[t]), protected, block_table, block_size,
+                     dummy, pos_ids, block_idx, local_pos, request_idx, position_in_request)
+    _pad_token_maps(count, padded, dummy, block_idx, local_pos)
 
 
 @njit(cache=True)
@@ -188,20 +206,10 @@ def write_commit_token_maps(counts, starts, has_starts, block_table, inherited,
         start = np.int64(starts[r]) if has_starts else np.int64(0)
         protected = np.int64(inherited[r]) if has_inherited else np.int64(0)
         for j in range(counts[r]):
-            position = start + j
-            column = position // block_size
-            if column < protected:
-                block_idx[t] = dummy
-            else:
-                block_idx[t] = block_table[r, column]
-            local_pos[t] = position - column * block_size
-            request_idx[t] = r
-            position_in_request[t] = position
-            pos_ids[t] = position
+            _write_token(t, r, start + j, protected, block_table, block_size, dummy,
+                         pos_ids, block_idx, local_pos, request_idx, position_in_request)
             t += 1
-    for i in range(t, padded):
-        block_idx[i] = dummy
-        local_pos[i] = 0
+    _pad_token_maps(t, padded, dummy, block_idx, local_pos)
     return t
 
 
@@ -294,16 +302,9 @@ def decode_step(offsets, block_table, count, padded, block_size, dummy, query_le
     if not offsets_in_table(offsets, count, block_size, block_table.shape[1]):
         return -1
     for t in range(count):
-        position = np.int64(offsets[t])
-        column = position // block_size
-        block_idx[t] = block_table[t, column]
-        local_pos[t] = position - column * block_size
-        request_idx[t] = t
-        position_in_request[t] = position
-        pos_ids[t] = position
-    for t in range(count, padded):
-        block_idx[t] = dummy
-        local_pos[t] = 0
+        _write_token(t, t, np.int64(offsets[t]), 0, block_table, block_size, dummy, pos_ids,
+                     block_idx, local_pos, request_idx, position_in_request)
+    _pad_token_maps(count, padded, dummy, block_idx, local_pos)
     stage_decode_lengths(offsets, count, query_lengths, kv_lengths)
     _, max_kv = write_mha_metadata(query_lengths, kv_lengths, count, block_table, count,
                                    padded, dummy, mha_query_lengths, mha_kv_seq_lengths,
