@@ -10,6 +10,14 @@ first index outside it (-1 when all are inside), so a bad index changes nothing.
 from numba import njit
 
 
+@njit(cache=True, inline='always')
+def _wrap(row, num_rows):
+    """``row`` in ``[-num_rows, num_rows)`` as a row in ``[0, num_rows)``, like numpy."""
+    if row < 0:
+        return row + num_rows
+    return row
+
+
 @njit(cache=True)
 def first_row_outside(rows, num_rows):
     """First ``i`` with ``rows[i]`` outside ``[-num_rows, num_rows)``, else -1."""
@@ -30,10 +38,7 @@ def reset_rows(values, rows):
     if bad >= 0:
         return bad
     for i in range(rows.shape[0]):
-        row = rows[i]
-        if row < 0:
-            row += num_rows
-        values[row] = 0
+        values[_wrap(rows[i], num_rows)] = 0
     return -1
 
 
@@ -64,15 +69,9 @@ def move_rows(values, src, dst, scratch):
     if bad >= 0:
         return bad
     for i in range(count):
-        row = src[i]
-        if row < 0:
-            row += num_rows
-        scratch[i] = values[row]
+        scratch[i] = values[_wrap(src[i], num_rows)]
     for i in range(count):
-        row = dst[i]
-        if row < 0:
-            row += num_rows
-        values[row] = scratch[i]
+        values[_wrap(dst[i], num_rows)] = scratch[i]
     return -1
 
 
@@ -92,22 +91,10 @@ def swap_rows(values, src, dst, scratch):
     if bad >= 0:
         return bad
     for i in range(count):
-        src_row = src[i]
-        if src_row < 0:
-            src_row += num_rows
-        dst_row = dst[i]
-        if dst_row < 0:
-            dst_row += num_rows
-        scratch[i] = values[src_row]
-        scratch[count + i] = values[dst_row]
+        scratch[i] = values[_wrap(src[i], num_rows)]
+        scratch[count + i] = values[_wrap(dst[i], num_rows)]
     for i in range(count):
-        row = dst[i]
-        if row < 0:
-            row += num_rows
-        values[row] = scratch[i]
+        values[_wrap(dst[i], num_rows)] = scratch[i]
     for i in range(count):
-        row = src[i]
-        if row < 0:
-            row += num_rows
-        values[row] = scratch[count + i]
+        values[_wrap(src[i], num_rows)] = scratch[count + i]
     return -1
