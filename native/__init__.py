@@ -1,12 +1,39 @@
 """numba kernels of mtpmeta: numpy in, numpy out, never torch.
 
 Installed as ``mtpmeta.native``. Every kernel is a plain ``@njit(cache=True)`` function
-that writes into pre-allocated outputs and never raises: the wrappers in ``mtpmeta``
-validate first and the kernels trust their inputs.
+that writes into pre-allocated outputs and never raises; it reports through its return
+value. Helpers named ``_*`` are inlined into the kernels of their own file.
+
+What the kernels check, and what they trust:
+
+* **Scans** write nothing and return the first offending index (-1 when none):
+  ``checks.first_outside``, ``rows.first_row_outside`` / ``first_pair_outside``,
+  ``staging.offsets_in_table`` (a bool), ``staging.check_token_inputs`` and
+  ``staging.check_commit_inputs`` (a ``staging`` code such as ``NEGATIVE_POSITION``
+  beside the culprit's index). ``checks.min_max`` only reduces. The wrappers in
+  ``mtpmeta`` turn a result into the ValueError/IndexError; the row scans are run by
+  the row kernels themselves.
+* **Refusing writers** check their indices before the first write and, on a bad one,
+  write nothing: ``rows.reset_rows`` / ``move_rows`` / ``swap_rows`` return the first
+  row index outside ``[-R, R)`` (``K + i`` for ``dst[i]``) or -1 when done;
+  ``staging.copy_decode_inputs`` returns False and ``staging.decode_step`` -1 when an
+  offset is negative or its block column is ``>= W``.
+* **Everything else trusts its caller**: ``carry.*`` (``check_take`` returns a
+  ``CARRY_*`` code for the state it is given), ``fill_capture_state``,
+  ``advance_offsets``, ``stage_decode_lengths``, ``write_token_maps``,
+  ``write_commit_token_maps``, ``stage_prefill_lengths``, ``write_mha_metadata`` and
+  ``commit_pass`` index where their inputs say; the wrappers must have run the
+  matching scan. No kernel checks shapes, dtypes, that ``src`` and ``dst`` have one
+  length, that scratch or outputs are long enough, or a ``count``/``padded`` against
+  them; under ``NUMBA_BOUNDSCHECK=1`` such an index raises IndexError instead.
+
+Every docstring example runs as a doctest (``tests/test_native.py``, with ``np`` bound
+to numpy), and each kernel is checked there against a plain numpy twin
+(``tests/naive.py``).
 
 Modules:
     rows     -- request-row annotation lifecycle (reset, move, swap)
-    carry    -- chunk-boundary carry checks
+    carry    -- chunk-boundary carry state and its take check
     checks   -- bound scans used by the validating wrappers
     staging  -- draft-loop and commit-pass staging, token maps, MHA metadata
 """

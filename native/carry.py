@@ -35,6 +35,14 @@ def check_take(state, req_id, seam_position):
 
     1: no valid carry; 2: the carry belongs to another request; 3: it sits at another
     position than ``seam_position``.
+
+    >>> state = np.zeros(3, dtype=np.int64)
+    >>> record(state, 7, 42); state.tolist()
+    [1, 7, 42]
+    >>> check_take(state, 7, 42), check_take(state, 8, 42), check_take(state, 7, 41)
+    (0, 2, 3)
+    >>> invalidate(state); state.tolist(), check_take(state, 7, 42)
+    ([0, -1, -1], 1)
     """
     if state[0] == 0:
         return 1

@@ -24,7 +24,12 @@ NEGATIVE_COUNT = 5
 # --------------------------------------------------------------------------- draft loop
 @njit(cache=True)
 def offsets_in_table(offsets, count, block_size, width):
-    """True when every ``offsets[:count]`` is >= 0 and its block column ``< width``."""
+    """True when every ``offsets[:count]`` is >= 0 and its block column ``< width``.
+
+    >>> offsets = np.array([0, 15, 16])  # block size 8: columns 0, 1, 2
+    >>> offsets_in_table(offsets, 2, 8, 2), offsets_in_table(offsets, 3, 8, 2)
+    (True, False)
+    """
     for t in range(count):
         position = np.int64(offsets[t])
         if position < 0 or position // block_size >= width:
@@ -41,6 +46,15 @@ def copy_decode_inputs(start_positions, table_src, count, block_size, offsets,
     column is ``>= W`` (``offsets_in_table``); True after the copy.
     start_positions: int [>= count]; table_src: int [>= count, W];
     offsets: int32 [R]; block_table: int32/int64 [R, W].
+
+    >>> offsets, table = np.zeros(3, np.int32), np.zeros((3, 2), np.int32)
+    >>> src = np.array([[3, 4], [6, 7]])
+    >>> copy_decode_inputs(np.array([5, 9]), src, 2, 8, offsets, table)
+    True
+    >>> offsets.tolist(), table.tolist()
+    ([5, 9, 0], [[3, 4], [6, 7], [0, 0]])
+    >>> copy_decode_inputs(np.array([5, 16]), src, 2, 8, offsets, table)  # column 2 >= W
+    False
     """
     width = block_table.shape[1]
     if not offsets_in_table(start_positions, count, block_size, width):
@@ -54,7 +68,12 @@ def copy_decode_inputs(start_positions, table_src, count, block_size, offsets,
 
 @njit(cache=True)
 def fill_capture_state(offsets, block_table, count, dummy):
-    """Scratch-only draft state: ``offsets[:count] = 0``, ``block_table[:count] = dummy``."""
+    """Scratch-only draft state: ``offsets[:count] = 0``, ``block_table[:count] = dummy``.
+
+    >>> offsets, table = np.array([5, 9, 4], np.int32), np.ones((3, 2), np.int32)
+    >>> fill_capture_state(offsets, table, 2, 99); offsets.tolist(), table.tolist()
+    ([0, 0, 4], [[99, 99], [99, 99], [1, 1]])
+    """
     width = block_table.shape[1]
     for i in range(count):
         offsets[i] = 0
@@ -64,7 +83,12 @@ def fill_capture_state(offsets, block_table, count, dummy):
 
 @njit(cache=True)
 def advance_offsets(offsets, count):
-    """``offsets[:count] += 1``. offsets: int32 [R]."""
+    """``offsets[:count] += 1``. offsets: int32 [R].
+
+    >>> offsets = np.array([5, 9, 4], np.int32)
+    >>> advance_offsets(offsets, 2); offsets.tolist()
+    [6, 10, 4]
+    """
     for i in range(count):
         offsets[i] += 1
 
@@ -75,6 +99,11 @@ def stage_decode_lengths(offsets, count, query_lengths, kv_lengths):
 
     Returns the largest KV length (0 when count is 0). All arrays int32 [R].
     Example: offsets [5, 11] -> q [1, 1], kv [6, 12], returns 12.
+
+    >>> q, kv = np.zeros(3, np.int32), np.zeros(3, np.int32)
+    >>> offsets = np.array([5, 11, 0], np.int32)
+    >>> stage_decode_lengths(offsets, 2, q, kv), q.tolist(), kv.tolist()
+    (12, [1, 1, 0], [6, 12, 0])
     """
     max_kv = 0
     for i in range(count):
@@ -95,6 +124,12 @@ def check_token_inputs(rows, positions, num_table_rows, num_inherited, has_inher
     Codes: ROW_OUT_OF_TABLE (row not in [0, num_table_rows)), ROW_OUT_OF_INHERITED
     (row >= num_inherited), NEGATIVE_POSITION, BLOCK_COLUMN_TOO_LARGE
     (position // block_size >= max_columns); ``(TOKENS_OK, -1)`` when all are good.
+
+    >>> rows, positions = np.array([0, 1, 1]), np.array([3, 9, 16])  # block size 8
+    >>> check_token_inputs(rows, positions, 2, 0, False, 2, 8)  # 16 // 8 = 2 >= 2 columns
+    (4, 2)
+    >>> check_token_inputs(rows, positions, 2, 1, True, 2, 8)  # row 1 >= 1 inherited
+    (2, 1)
     """
     for t in range(positions.shape[0]):
         row = rows[t]
@@ -108,6 +143,33 @@ def check_token_inputs(rows, positions, num_table_rows, num_inherited, has_inher
         if position // block_size >= max_columns:
             return BLOCK_COLUMN_TOO_LARGE, t
     return TOKENS_OK, -1
+
+
+@njit(cache=True, inline='always')
+def _write_token(t, row, position, protected, block_table, block_size, dummy, pos_ids,
+                 block_idx, local_pos, request_idx, position_in_request):
+    """Token ``t`` of request ``row`` writes ``position`` (int64): ``col = pos // BS``;
+    block ``D`` when ``col < protected`` (inherited KV is never rewritten), else
+    ``block_table[row, col]``; local offset ``pos % BS``; request ``row``; both
+    position fields ``pos``. The per-token rule of every token-map writer here."""
+    column = position // block_size
+    if column < protected:
+        block_idx[t] = dummy
+    else:
+        block_idx[t] = block_table[row, column]
+    local_pos[t] = position - column * block_size
+    request_idx[t] = row
+    position_in_request[t] = position
+    pos_ids[t] = position
+
+
+@njit(cache=True, inline='always')
+def _pad_token_maps(count, padded, dummy, block_idx, local_pos):
+    """Pad tokens ``[count, padded)`` write slot 0 of the dummy block; their other
+    fields are left as they are."""
+    for t in range(count, padded):
+        block_idx[t] = dummy
+        local_pos[t] = 0
 
 
 @njit(cache=True)
@@ -125,23 +187,20 @@ def write_token_maps(rows, positions, block_table, inherited, has_inherited, pad
     pos_ids int64 and the rest int32 in upstream's view.
     Example (BS 8, table [[3, 4]], inherited [1]): rows [0, 0], positions [7, 8],
     padded 3 -> block [D, 4, D], local [7, 0, 0].
+
+    >>> out = [np.full(4, -1, np.int64)] + [np.full(4, -1, np.int32) for _ in range(4)]
+    >>> write_token_maps(np.array([0, 0]), np.array([7, 8]), np.array([[3, 4]]),
+    ...                  np.array([1]), True, 3, 8, 99, *out)
+    >>> [field.tolist() for field in out]  # pos_ids, block, local, request, position
+    [[7, 8, -1, -1], [99, 4, 99, -1], [7, 0, 0, -1], [0, 0, -1, -1], [7, 8, -1, -1]]
     """
     count = positions.shape[0]
     for t in range(count):
         row = rows[t]
-        position = np.int64(positions[t])
-        column = position // block_size
-        if has_inherited and column < inherited[row]:
-            block_idx[t] = dummy
-        else:
-            block_idx[t] = block_table[row, column]
-        local_pos[t] = position - column * block_size
-        request_idx[t] = row
-        position_in_request[t] = position
-        pos_ids[t] = position
-    for t in range(count, padded):
-        block_idx[t] = dummy
-        local_pos[t] = 0
+        protected = np.int64(inherited[row]) if has_inherited else np.int64(0)
+        _write_token(t, row, np.int64(positions[t]), protected, block_table, block_size,
+                     dummy, pos_ids, block_idx, local_pos, request_idx, position_in_request)
+    _pad_token_maps(count, padded, dummy, block_idx, local_pos)
 
 
 @njit(cache=True)
@@ -152,6 +211,12 @@ def check_commit_inputs(counts, starts, has_starts, max_columns, block_size):
     without starts). Codes: NEGATIVE_COUNT, NEGATIVE_POSITION (a negative start),
     BLOCK_COLUMN_TOO_LARGE (its last position's column >= max_columns). ``total`` is
     ``sum(counts)`` and ``max_count`` the largest count (both valid only when OK).
+
+    >>> counts = np.array([2, 1])  # block size 8, 2 columns: positions 0..15
+    >>> check_commit_inputs(counts, np.array([7, 3]), True, 2, 8)
+    (0, -1, 3, 2)
+    >>> check_commit_inputs(counts, np.array([15, 3]), True, 2, 8)  # 16 is in column 2
+    (4, 0, 0, 0)
     """
     total = 0
     max_count = 0
@@ -182,26 +247,24 @@ def write_commit_token_maps(counts, starts, has_starts, block_table, inherited,
 
     Same per-token rule and padding as ``write_token_maps``.
     Example: counts [2, 1], starts [7, 3] -> rows [0, 0, 1], positions [7, 8, 3].
+
+    >>> out = [np.full(4, -1, np.int64)] + [np.full(4, -1, np.int32) for _ in range(4)]
+    >>> write_commit_token_maps(np.array([2, 1]), np.array([7, 3]), True,
+    ...                         np.array([[3, 4], [5, 6]]), np.array([1, 0]), True, 4, 8,
+    ...                         99, *out)
+    3
+    >>> [field.tolist() for field in out]  # pos_ids, block, local, request, position
+    [[7, 8, 3, -1], [99, 4, 5, 99], [7, 0, 3, 0], [0, 0, 1, -1], [7, 8, 3, -1]]
     """
     t = 0
     for r in range(counts.shape[0]):
         start = np.int64(starts[r]) if has_starts else np.int64(0)
         protected = np.int64(inherited[r]) if has_inherited else np.int64(0)
         for j in range(counts[r]):
-            position = start + j
-            column = position // block_size
-            if column < protected:
-                block_idx[t] = dummy
-            else:
-                block_idx[t] = block_table[r, column]
-            local_pos[t] = position - column * block_size
-            request_idx[t] = r
-            position_in_request[t] = position
-            pos_ids[t] = position
+            _write_token(t, r, start + j, protected, block_table, block_size, dummy,
+                         pos_ids, block_idx, local_pos, request_idx, position_in_request)
             t += 1
-    for i in range(t, padded):
-        block_idx[i] = dummy
-        local_pos[i] = 0
+    _pad_token_maps(t, padded, dummy, block_idx, local_pos)
     return t
 
 
@@ -215,6 +278,12 @@ def stage_prefill_lengths(counts, pad_tokens, max_requests, lengths):
     counts: int [P]; lengths: int32 [>= P + 1].
     Example: counts [3, 2], pad 3 -> [3, 2, 3] (spare slot), returns 3;
     with R = 2 -> [3, 5], returns 2.
+
+    >>> lengths = np.zeros(3, np.int32)
+    >>> stage_prefill_lengths(np.array([3, 2]), 3, 4, lengths), lengths.tolist()
+    (3, [3, 2, 3])
+    >>> stage_prefill_lengths(np.array([3, 2]), 3, 2, lengths), lengths[:2].tolist()
+    (2, [3, 5])
     """
     num_prefill = counts.shape[0]
     for i in range(num_prefill):
@@ -240,6 +309,14 @@ def write_mha_metadata(query_lengths, kv_lengths, count, block_table, num_table_
     query/kv lengths: int [>= count]; block_table: int [>= num_table_rows, W];
     mha lengths: int32 [>= padded]; cu: int32 [>= padded + 1]; mha_block_table: [>= padded, W].
     Example: q [1, 1], kv [6, 12], padded 3 -> cu_q [0, 1, 2, 2], cu_kv [0, 6, 18, 18].
+
+    >>> q, kv, cu_q, cu_kv = (np.zeros(n, np.int32) for n in (3, 3, 4, 4))
+    >>> table = np.zeros((3, 2), np.int32)  # one real row, one pad request, one pad slot
+    >>> write_mha_metadata(np.array([1, 1]), np.array([6, 12]), 2, np.array([[3, 4]]), 1,
+    ...                    3, 99, q, kv, cu_q, cu_kv, table)
+    (1, 12)
+    >>> cu_q.tolist(), cu_kv.tolist(), table.tolist()
+    ([0, 1, 2, 2], [0, 6, 18, 18], [[3, 4], [99, 99], [-1, -1]])
     """
     width = mha_block_table.shape[1]
     mha_cu_query_seq_lengths[0] = 0
@@ -290,20 +367,22 @@ def decode_step(offsets, block_table, count, padded, block_size, dummy, query_le
 
     offsets: int32 [R]; block_table: [R, W]; query/kv lengths: int32 [R]; the ten view
     outputs as in ``write_token_maps`` / ``write_mha_metadata``.
+
+    >>> lengths = np.zeros((2, 3), np.int32)  # the persistent query/kv lengths [R]
+    >>> tokens = [np.zeros(4, np.int64)] + [np.zeros(4, np.int32) for _ in range(4)]
+    >>> mha = [np.zeros(n, np.int32) for n in (3, 3, 4, 4)] + [np.zeros((3, 2), np.int32)]
+    >>> offsets, table = np.array([5, 11, 0], np.int32), np.array([[3, 4], [5, 6], [0, 0]])
+    >>> decode_step(offsets, table, 2, 3, 8, 99, *lengths, *tokens, *mha)
+    12
+    >>> tokens[1].tolist(), tokens[2].tolist(), mha[3].tolist()  # block, local, cu_kv
+    ([3, 6, 99, 0], [5, 3, 0, 0], [0, 6, 18, 18])
     """
     if not offsets_in_table(offsets, count, block_size, block_table.shape[1]):
         return -1
     for t in range(count):
-        position = np.int64(offsets[t])
-        column = position // block_size
-        block_idx[t] = block_table[t, column]
-        local_pos[t] = position - column * block_size
-        request_idx[t] = t
-        position_in_request[t] = position
-        pos_ids[t] = position
-    for t in range(count, padded):
-        block_idx[t] = dummy
-        local_pos[t] = 0
+        _write_token(t, t, np.int64(offsets[t]), 0, block_table, block_size, dummy, pos_ids,
+                     block_idx, local_pos, request_idx, position_in_request)
+    _pad_token_maps(count, padded, dummy, block_idx, local_pos)
     stage_decode_lengths(offsets, count, query_lengths, kv_lengths)
     _, max_kv = write_mha_metadata(query_lengths, kv_lengths, count, block_table, count,
                                    padded, dummy, mha_query_lengths, mha_kv_seq_lengths,
