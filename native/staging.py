@@ -398,6 +398,12 @@ def dummy_past_span(mha_block_table, row, span_end, block_size, dummy):
     over ``count + pad`` keys, more than it writes, and must read no block it was not
     given (a -1 entry, or a block of its own past what it wrote).
     Example: BS 4, row [1, 5, 7]: span_end 3 or 4 -> [1, D, D]; span_end 5 -> [1, 5, D].
+
+    >>> table = np.array([[0, 0, 0], [1, 5, 7]], dtype=np.int32)
+    >>> dummy_past_span(table, 1, 5, 4, 99)
+    >>> table
+    array([[ 0,  0,  0],
+           [ 1,  5, 99]], dtype=int32)
     """
     first = (np.int64(span_end) + block_size - 1) // block_size
     for col in range(first, mha_block_table.shape[1]):

@@ -240,29 +240,35 @@ def mha_metadata(query_lengths: np.ndarray, kv_lengths: np.ndarray, count: int,
 def decode_step(offsets: np.ndarray, block_table: np.ndarray, count: int, padded: int,
                 block_size: int, dummy: int, query_lengths: np.ndarray,
                 kv_lengths: np.ndarray,
-                view: Sequence[np.ndarray]) -> Tuple[int, np.ndarray, np.ndarray, Arrays]:
+                kernel_outputs: Sequence[np.ndarray]
+                ) -> Tuple[int, np.ndarray, np.ndarray, Arrays]:
     """``(max_kv or -1, query_lengths, kv_lengths, the ten view outputs)``."""
     if not offsets_in_table(offsets, count, block_size, block_table.shape[1]):
-        return -1, query_lengths.copy(), kv_lengths.copy(), [v.copy() for v in view]
+        return -1, query_lengths.copy(), kv_lengths.copy(), [v.copy() for v in kernel_outputs]
     tokens = token_maps(np.arange(count), offsets[:count], block_table, None, padded,
-                        block_size, dummy, view[:5])
+                        block_size, dummy, kernel_outputs[:5])
     max_kv, q, kv = stage_decode_lengths(offsets, count, query_lengths, kv_lengths)
-    _, mha = mha_metadata(q, kv, count, block_table, count, padded, dummy, view[5:])
+    _, mha = mha_metadata(q, kv, count, block_table, count, padded, dummy, kernel_outputs[5:])
     return max_kv, q, kv, tokens + mha
 
 
 def commit_pass(counts: np.ndarray, starts: Optional[np.ndarray], block_table: np.ndarray,
                 inherited: Optional[np.ndarray], padded_tokens: int, pad_tokens: int,
                 max_requests: int, min_padded_requests: int, block_size: int, dummy: int,
-                lengths: np.ndarray, view: Sequence[np.ndarray]
+                lengths: np.ndarray, kernel_outputs: Sequence[np.ndarray]
                 ) -> Tuple[Tuple[int, int, int, int], np.ndarray, Arrays]:
     """``((T, m, padded_requests, max_len), lengths, the ten view outputs)``."""
     rows, positions = commit_rows_positions(counts, starts)
     protected = None if inherited is None else inherited[:len(counts)]
     tokens = token_maps(rows, positions, block_table, protected, padded_tokens,
-                        block_size, dummy, view[:5])
+                        block_size, dummy, kernel_outputs[:5])
     staged, lengths = stage_prefill_lengths(counts, pad_tokens, max_requests, lengths)
     padded_requests = max(min_padded_requests, staged)
     (max_len, _), mha = mha_metadata(lengths, lengths, staged, block_table, len(counts),
-                                     padded_requests, dummy, view[5:])
+                                     padded_requests, dummy, kernel_outputs[5:])
+    if pad_tokens > 0 and staged == len(counts):  # the last request absorbs the pad
+        last = len(counts) - 1
+        span_end = int(counts[last]) + (0 if starts is None else int(starts[last]))
+        first_unwritten = -(-span_end // block_size)
+        mha[-1][last, first_unwritten:] = dummy
     return (len(rows), staged, padded_requests, max_len), lengths, tokens + mha
