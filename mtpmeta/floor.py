@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, List
 
 import numpy as np
+import torch
 
 from . import native
 from .metadata import MTPMetadata
@@ -47,19 +48,25 @@ class FloorInputs:
     padded_requests: int
 
 
+def _host(value: Any) -> np.ndarray:
+    return value.numpy() if isinstance(value, torch.Tensor) else value
+
+
 def prepare(steps: List[StepInputs]) -> List[FloorInputs]:
-    """Convert the steps' inputs once, outside any timed loop."""
+    """Convert the steps' inputs (torch tensors or numpy arrays) once, outside any
+    timed loop."""
     prepared = []
     for inputs in steps:
-        counts = inputs.append_counts.numpy()
+        counts = _host(inputs.append_counts)
         prepared.append(FloorInputs(
-            move_src=inputs.move_src, move_dst=inputs.move_dst, swap_src=inputs.swap_src,
-            swap_dst=inputs.swap_dst, reset_rows=inputs.reset_rows,
+            move_src=_host(inputs.move_src), move_dst=_host(inputs.move_dst),
+            swap_src=_host(inputs.swap_src), swap_dst=_host(inputs.swap_dst),
+            reset_rows=_host(inputs.reset_rows),
             hidden=inputs.hidden.numpy().reshape(-1), carry_req_id=inputs.carry_req_id,
             carry_position=inputs.carry_position,
-            start_positions=inputs.start_positions.numpy(),
-            block_table=inputs.block_table.numpy(), append_counts=counts,
-            commit_starts=inputs.commit_starts.numpy(), inherited=inputs.inherited.numpy(),
+            start_positions=_host(inputs.start_positions),
+            block_table=_host(inputs.block_table), append_counts=counts,
+            commit_starts=_host(inputs.commit_starts), inherited=_host(inputs.inherited),
             padded_tokens=inputs.padded_tokens,
             pad_tokens=inputs.padded_tokens - int(counts.sum()),
             padded_requests=inputs.padded_requests))
@@ -80,11 +87,10 @@ def floor_step(meta: MTPMetadata, view: Any, inputs: FloorInputs,
     native.carry.record(meta._carry_state, inputs.carry_req_id, inputs.carry_position)
     native.carry.check_take(meta._carry_state, inputs.carry_req_id, inputs.carry_position)
     target = meta._target(view)
-    count = config.active
-    padded = -(-count // config.tp) * config.tp
+    count, padded = config.active, config.padded_active
     backend.begin_decode(count, inputs.start_positions, inputs.block_table)
     for _ in range(config.depths):
-        backend.decode_step(target, count, padded, False)
+        backend.decode_step(target, count, padded, config.graphed)
         backend.advance_decode_step(count)
     counts = inputs.append_counts
     native.checks.first_outside(counts, 0, 2**31)

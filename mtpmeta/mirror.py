@@ -273,7 +273,7 @@ class MirrorBackend:
         if self.host_offsets_known and not native.staging.offsets_in_table(
                 self.host_offsets, count, self.block_size, self.host_block_table.shape[1]):
             return -1  # checked before a slot is taken: nothing written, nothing staged
-        if graphed or not self.host_offsets_known:
+        if not self.host_offsets_known:
             self._decode_step_on_device(target, count, padded)
             if not self.host_offsets_known:
                 return 0
