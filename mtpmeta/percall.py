@@ -101,12 +101,13 @@ def _best_per_call(call: Call, number: int) -> float:
 
 
 def input_cost(config: StepConfig = StepConfig(), repeats: int = 7,
-               number: int = 1000) -> Dict[str, Dict[str, float]]:
+               number: int = 1000, mirror: bool = False) -> Dict[str, Dict[str, float]]:
     """``{case: {"numpy_us", "torch_us", "ratio"}}``: best-of-``repeats`` µs per call,
-    numpy and torch timed interleaved (see the module docstring)."""
+    numpy and torch timed interleaved (see the module docstring); the direct path, or
+    the CPU-forced mirror path with ``mirror=True``."""
     step = make_steps(config, 1, seed=0)[0]
     meta = MTPMetadata(**config.metadata_kwargs())
-    meta.allocate("cpu", mirror=False)
+    meta.allocate("cpu", mirror=mirror, max_tokens=config.max_tokens)
     view = ContextGPUView(config.max_requests, config.max_tokens, config.block_columns)
     results: Dict[str, Dict[str, float]] = {}
     for label, (numpy_call, torch_call) in _cases(meta, view, step, config).items():
@@ -123,8 +124,8 @@ def input_cost(config: StepConfig = StepConfig(), repeats: int = 7,
     return results
 
 
-def format_input_cost(results: Dict[str, Dict[str, float]]) -> str:
-    lines = [f"{'per call, direct path (µs, best of repeats)':<46}{'numpy':>8}{'torch':>8}"
+def format_input_cost(results: Dict[str, Dict[str, float]], path: str = "direct") -> str:
+    lines = [f"{f'per call, {path} path (µs, best of repeats)':<46}{'numpy':>8}{'torch':>8}"
              f"{'torch/numpy':>13}"]
     for label, row in results.items():
         lines.append(f"  {label:<44}{row['numpy_us']:>8.2f}{row['torch_us']:>8.2f}"
