@@ -8,6 +8,7 @@ wrong code.
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 
 import numpy as np
 import pytest
@@ -157,8 +158,8 @@ def test_kernel_floor_that_skips_work_is_caught(monkeypatch, capsys):
     from mtpmeta import floor
 
     def without_padding(meta, view, inputs, config):
-        inputs = floor.FloorInputs(**{**vars(inputs), "padded_tokens": 0,
-                                      "pad_tokens": 0})
+        values = {f.name: getattr(inputs, f.name) for f in fields(floor.FloorInputs)}
+        inputs = floor.FloorInputs(**{**values, "padded_tokens": 0, "pad_tokens": 0})
         original(meta, view, inputs, config)
 
     original = floor.floor_step

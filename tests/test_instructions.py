@@ -60,3 +60,28 @@ def test_instruction_counts_are_refused_clearly_without_valgrind(monkeypatch):
     assert instructions.unavailable() == "valgrind is not installed"
     with pytest.raises(RuntimeError, match="valgrind is not installed"):
         instructions.callgrind_regions("pass")
+
+
+def test_step_counts_become_per_step_ratios(monkeypatch):
+    """The ratios the bench prints and asv tracks are per step and per call, from the
+    labels step_regions dumps (here fed to the arithmetic directly)."""
+    counts = {}
+    for draft in ("eager", "graphed"):
+        counts[f"reference torch {draft}"] = 4000
+        counts[f"direct torch {draft}"] = 500
+        counts[f"direct numpy {draft}"] = 400
+        counts[f"mirror torch {draft}"] = 1000
+    counts["kernel floor"] = 250
+    counts["kernel floor, torch inputs"] = 400
+    counts["call numpy move_request_rows (int64 [16])"] = 150
+    counts["call torch move_request_rows (int64 [16])"] = 300
+    monkeypatch.setattr(instructions, "callgrind_regions", lambda body, timeout: counts)
+    result = instructions.count_step_instructions(StepConfig(), steps=2, calls=10)
+    assert result["per_step"]["direct torch eager"] == 250
+    assert result["reference_over_direct_eager"] == 8
+    assert result["direct_over_floor_graphed"] == 2
+    assert result["direct_over_torch_floor_eager"] == 1.25
+    assert result["per_call"]["move_request_rows (int64 [16])"] == {
+        "numpy": 15, "torch": 30, "ratio": 2}
+    text = instructions.format_instructions(result)
+    assert "8.0x fewer than the reference" in text and "2.00x" in text
