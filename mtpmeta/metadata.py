@@ -40,8 +40,6 @@ _DRAFT = MTPForwardMode.DRAFT
 _move_rows, _swap_rows, _reset_rows = (native.rows.move_rows, native.rows.swap_rows,
                                        native.rows.reset_rows)
 _record_carry, _check_take = native.carry.record, native.carry.check_take
-_first_outside = native.checks.first_outside
-_check_commit_inputs = native.staging.check_commit_inputs
 
 
 class MTPMetadata(InputChecks):

@@ -18,14 +18,13 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Dict, List, Tuple
 
-import numpy as np
 import torch
 
 from .gpu_view import ContextGPUView
 from .metadata import MTPMetadata
 from .workload import StepConfig, StepInputs, make_steps
 
-__all__ = ["CASES", "input_cost", "format_input_cost"]
+__all__ = ["input_cost", "format_input_cost"]
 
 Call = Callable[[], Any]
 _REQ_ID, _POSITION = 7, 9  # carry keys small enough to be 0-d tensors of a row arange
