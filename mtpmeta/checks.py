@@ -25,6 +25,7 @@ __all__ = ["InputChecks", "INT32_LIMIT", "INT64_MAX", "is_int_dtype"]
 INT32_LIMIT = 2**31  # lengths and token indices are int32 in the view
 INT64_MAX = 2**63 - 1
 _TOKEN_CODES = native.staging
+_first_outside = native.checks.first_outside
 
 
 def is_int_dtype(dtype: torch.dtype) -> bool:
@@ -82,10 +83,10 @@ class InputChecks:
 
     def _host_counts(self, value: Any, name: str) -> np.ndarray:
         counts = as_host_ints(value, name)
-        if counts.shape[0] > self.max_requests:
-            raise ValueError(f"{name}: {counts.shape[0]} requests > max_requests "
+        if len(counts) > self.max_requests:
+            raise ValueError(f"{name}: {len(counts)} requests > max_requests "
                              f"{self.max_requests}")
-        bad = native.checks.first_outside(counts, 0, INT32_LIMIT)
+        bad = _first_outside(counts, 0, INT32_LIMIT)
         if bad >= 0:
             kind = "negative count" if counts[bad] < 0 else "count beyond int32"
             raise ValueError(f"{name}: {kind} {int(counts[bad])} at index {bad}")
@@ -103,8 +104,8 @@ class InputChecks:
         if value is None:
             return None
         array = as_host_ints(value, name)
-        if array.shape[0] < count:
-            raise ValueError(f"{name}: {array.shape[0]} entries < {count} requests "
+        if len(array) < count:
+            raise ValueError(f"{name}: {len(array)} entries < {count} requests "
                              "(append_counts)")
         return array
 

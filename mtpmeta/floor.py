@@ -17,12 +17,13 @@ from dataclasses import dataclass
 from typing import Any, List
 
 import numpy as np
+import torch
 
 from . import native
 from .metadata import MTPMetadata
 from .workload import StepConfig, StepInputs
 
-__all__ = ["FloorInputs", "prepare", "floor_step"]
+__all__ = ["FloorInputs", "TorchFloorInputs", "prepare", "floor_step"]
 
 
 @dataclass
@@ -47,19 +48,25 @@ class FloorInputs:
     padded_requests: int
 
 
+def _host(value: Any) -> np.ndarray:
+    return value.numpy() if isinstance(value, torch.Tensor) else value
+
+
 def prepare(steps: List[StepInputs]) -> List[FloorInputs]:
-    """Convert the steps' inputs once, outside any timed loop."""
+    """Convert the steps' inputs (torch tensors or numpy arrays) once, outside any
+    timed loop."""
     prepared = []
     for inputs in steps:
-        counts = inputs.append_counts.numpy()
+        counts = _host(inputs.append_counts)
         prepared.append(FloorInputs(
-            move_src=inputs.move_src, move_dst=inputs.move_dst, swap_src=inputs.swap_src,
-            swap_dst=inputs.swap_dst, reset_rows=inputs.reset_rows,
+            move_src=_host(inputs.move_src), move_dst=_host(inputs.move_dst),
+            swap_src=_host(inputs.swap_src), swap_dst=_host(inputs.swap_dst),
+            reset_rows=_host(inputs.reset_rows),
             hidden=inputs.hidden.numpy().reshape(-1), carry_req_id=inputs.carry_req_id,
             carry_position=inputs.carry_position,
-            start_positions=inputs.start_positions.numpy(),
-            block_table=inputs.block_table.numpy(), append_counts=counts,
-            commit_starts=inputs.commit_starts.numpy(), inherited=inputs.inherited.numpy(),
+            start_positions=_host(inputs.start_positions),
+            block_table=_host(inputs.block_table), append_counts=counts,
+            commit_starts=_host(inputs.commit_starts), inherited=_host(inputs.inherited),
             padded_tokens=inputs.padded_tokens,
             pad_tokens=inputs.padded_tokens - int(counts.sum()),
             padded_requests=inputs.padded_requests))
@@ -80,16 +87,47 @@ def floor_step(meta: MTPMetadata, view: Any, inputs: FloorInputs,
     native.carry.record(meta._carry_state, inputs.carry_req_id, inputs.carry_position)
     native.carry.check_take(meta._carry_state, inputs.carry_req_id, inputs.carry_position)
     target = meta._target(view)
-    count = config.active
-    padded = -(-count // config.tp) * config.tp
+    count, padded = config.active, config.padded_active
     backend.begin_decode(count, inputs.start_positions, inputs.block_table)
     for _ in range(config.depths):
-        backend.decode_step(target, count, padded, False)
+        backend.decode_step(target, count, padded, config.graphed)
         backend.advance_decode_step(count)
-    counts = inputs.append_counts
+    counts, starts = inputs.append_counts, inputs.commit_starts
     native.checks.first_outside(counts, 0, 2**31)
-    native.staging.check_commit_inputs(counts, inputs.commit_starts, True,
-                                       config.block_columns, config.block_size)
-    backend.commit_pass(target, counts, inputs.commit_starts, inputs.block_table,
-                        inputs.inherited, inputs.padded_tokens, inputs.pad_tokens,
-                        inputs.padded_requests, inputs.padded_requests)
+    native.staging.check_commit_inputs(counts, starts, True, config.block_columns,
+                                       config.block_size)
+    backend.commit_pass(target, counts, starts, inputs.block_table, inputs.inherited,
+                        inputs.padded_tokens, inputs.pad_tokens, inputs.padded_requests,
+                        inputs.padded_requests)
+
+
+def _converted(name: str) -> property:
+    return property(lambda self: getattr(self._step, name).numpy(),
+                    doc=f"``{name}`` of the torch step, converted at this read")
+
+
+def _prepared(name: str) -> property:
+    return property(lambda self: getattr(self._prepared, name))
+
+
+class TorchFloorInputs:
+    """``FloorInputs`` read from a torch step: each index/count/table field is
+    converted with ``Tensor.numpy()`` when ``floor_step`` reads it, as the public
+    methods must (once per tensor argument: 11 per standard step, the table twice, as
+    ``begin_decode`` and ``setup_commit_pass`` each receive it). That conversion is the
+    least a torch input costs on its way to a numba kernel, so ``floor_step`` over
+    these is the kernel floor for torch inputs."""
+
+    __slots__ = ("_step", "_prepared")
+
+    def __init__(self, step: StepInputs, prepared: FloorInputs) -> None:
+        self._step, self._prepared = step, prepared
+
+    move_src, move_dst = _converted("move_src"), _converted("move_dst")
+    swap_src, swap_dst = _converted("swap_src"), _converted("swap_dst")
+    reset_rows, start_positions = _converted("reset_rows"), _converted("start_positions")
+    block_table, append_counts = _converted("block_table"), _converted("append_counts")
+    commit_starts, inherited = _converted("commit_starts"), _converted("inherited")
+    hidden, carry_req_id = _prepared("hidden"), _prepared("carry_req_id")
+    carry_position, padded_tokens = _prepared("carry_position"), _prepared("padded_tokens")
+    pad_tokens, padded_requests = _prepared("pad_tokens"), _prepared("padded_requests")

@@ -6,6 +6,7 @@ CUDA-graph-safe torch ops on the device).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Dict, Optional, Tuple, Union
 
 import numpy as np
@@ -35,6 +36,12 @@ __all__ = ["MTPMetadata"]
 
 Indices = Union[slice, int, Tensor, np.ndarray, Any]
 _TOKEN_CODES = native.staging
+_DRAFT = MTPForwardMode.DRAFT
+# Kernels the per-step methods call, bound once (a module attribute chain costs two
+# lookups per call on the hot path).
+_move_rows, _swap_rows, _reset_rows = (native.rows.move_rows, native.rows.swap_rows,
+                                       native.rows.reset_rows)
+_record_carry, _check_take = native.carry.record, native.carry.check_take
 
 
 class MTPMetadata(InputChecks):
@@ -96,12 +103,16 @@ class MTPMetadata(InputChecks):
         self._buffers: Optional[PersistentBuffers] = None
         self._backend: Optional[Backend] = None
         self._views = ViewCache()
+        # The last resolved view: (weakref to it, its target). A step resolves the same
+        # view 4 times; this skips the cache's lookup, its weakref and bound-method setup.
+        self._last_view: Optional[Tuple[Any, ViewTarget]] = None
         self._prefill_views: Dict[int, Tensor] = {}
         self._active_views: Dict[int, Tuple[Tensor, Tensor, Tuple[Tensor, Tensor]]] = {}
         self._active_lengths: Optional[Tuple[Tensor, Tensor]] = None
         self._shapes: Dict[Tuple[Any, ...], ForwardShape] = {}
         # The last view-writing call, for check_invariants (None before any).
         self.last_forward: Optional[ForwardRecord] = None
+        self._decode_record: Optional[ForwardRecord] = None
         # Annotation row of draft row 0, for check_invariants only: draft row i belongs
         # to request_matched_prefix_blocks[draft_annotation_offset + i] (the active
         # slice; set it to the paused-row count when paused rows come first).
@@ -240,6 +251,7 @@ class MTPMetadata(InputChecks):
         self._backend = backend
         self._clear_active()
         self._views.clear()
+        self._last_view = None
         self._prefill_views = {}
         self._active_views = {}
         self.last_forward = None
@@ -254,6 +266,7 @@ class MTPMetadata(InputChecks):
         self._backend = None
         self._clear_active()
         self._views.clear()
+        self._last_view = None
         self._prefill_views = {}
         self._active_views = {}
         self.last_forward = None
@@ -285,13 +298,14 @@ class MTPMetadata(InputChecks):
         """
         if not self.enabled:
             return
-        self._require("reset_request_rows")
-        annotations = self._buffers.annotations
+        buffers = self._buffers
+        if buffers is None:
+            self._require("reset_request_rows")
         rows = as_row_indices(request_indexes, self.max_requests, "request_indexes")
-        if isinstance(rows, slice):
-            annotations[rows] = 0
+        if type(rows) is slice:
+            buffers.annotations[rows] = 0
             return
-        bad = native.rows.reset_rows(annotations, rows)
+        bad = _reset_rows(buffers.annotations, rows)
         if bad >= 0:  # refused before any write
             raise_row_out_of_range(rows, bad, self.max_requests, "request_indexes")
 
@@ -299,28 +313,34 @@ class MTPMetadata(InputChecks):
                   dst_idxs: Indices) -> Tuple[np.ndarray, np.ndarray]:
         src = as_row_indices(src_idxs, self.max_requests, "src_idxs")
         dst = as_row_indices(dst_idxs, self.max_requests, "dst_idxs")
-        if isinstance(src, slice):
+        if type(src) is slice:
             src = np.arange(self.max_requests)[src]
-        if isinstance(dst, slice):
+        if type(dst) is slice:
             dst = np.arange(self.max_requests)[dst]
-        if src.shape[0] != dst.shape[0]:
-            raise ValueError(f"{method}: src_idxs has {src.shape[0]} rows but dst_idxs "
-                             f"has {dst.shape[0]}; they must have the same length")
+        if len(src) != len(dst):
+            raise ValueError(f"{method}: src_idxs has {len(src)} rows but dst_idxs "
+                             f"has {len(dst)}; they must have the same length")
         return src, dst
 
     def _row_scratch(self, size: int) -> np.ndarray:
         scratch = self._buffers.row_scratch
-        return scratch if size <= scratch.shape[0] else np.empty(size, dtype=np.int32)
+        return scratch if size <= len(scratch) else np.empty(size, dtype=np.int32)
 
     def move_request_rows(self, src_idxs: Indices, dst_idxs: Indices) -> None:
         """``x[dst] = x[src]``: every source is read before any destination is written,
         so overlapping ranges are safe; sources keep their values. No-op when disabled."""
         if not self.enabled:
             return
-        self._require("move_request_rows")
+        buffers = self._buffers
+        if buffers is None:
+            self._require("move_request_rows")
         src, dst = self._row_pair("move_request_rows", src_idxs, dst_idxs)
-        self._raise_bad_row(src, dst, native.rows.move_rows(
-            self._buffers.annotations, src, dst, self._row_scratch(src.shape[0])))
+        scratch = buffers.row_scratch
+        if len(src) > len(scratch):
+            scratch = self._row_scratch(len(src))
+        bad = _move_rows(buffers.annotations, src, dst, scratch)
+        if bad >= 0:
+            self._raise_bad_row(src, dst, bad)
 
     def swap_request_rows(self, src_idxs: Indices, dst_idxs: Indices) -> None:
         """Swap annotations: both sides read first, then ``x[dst] = old[src]``, then
@@ -328,10 +348,16 @@ class MTPMetadata(InputChecks):
         No-op when disabled."""
         if not self.enabled:
             return
-        self._require("swap_request_rows")
+        buffers = self._buffers
+        if buffers is None:
+            self._require("swap_request_rows")
         src, dst = self._row_pair("swap_request_rows", src_idxs, dst_idxs)
-        self._raise_bad_row(src, dst, native.rows.swap_rows(
-            self._buffers.annotations, src, dst, self._row_scratch(2 * src.shape[0])))
+        scratch = buffers.row_scratch
+        if 2 * len(src) > len(scratch):
+            scratch = self._row_scratch(2 * len(src))
+        bad = _swap_rows(buffers.annotations, src, dst, scratch)
+        if bad >= 0:
+            self._raise_bad_row(src, dst, bad)
 
     def _raise_bad_row(self, src: np.ndarray, dst: np.ndarray, bad: int) -> None:
         """``bad`` from a pair kernel: -1, or the index it refused (nothing written)."""
@@ -355,7 +381,8 @@ class MTPMetadata(InputChecks):
         """
         if not self.enabled:
             return
-        self._require("carry_chunk_boundary")
+        if self._buffers is None:
+            self._require("carry_chunk_boundary")
         req_id = as_count(req_id, "req_id", high=INT64_MAX, high_name="int64 max")
         position = as_count(position, "position", high=INT64_MAX, high_name="int64 max")
         if not isinstance(hidden, torch.Tensor):
@@ -380,7 +407,7 @@ class MTPMetadata(InputChecks):
         if source.requires_grad:
             source = source.detach()  # never let the persistent buffer join a graph
         self._backend.carry_hidden(source)
-        native.carry.record(self._carry_state, req_id, position)
+        _record_carry(self._carry_state, req_id, position)
 
     def take_chunk_boundary(self, req_id: int, seam_position: int) -> Tensor:
         """Return the ``[1, 1, hidden_size]`` carried hidden for this seam.
@@ -397,7 +424,7 @@ class MTPMetadata(InputChecks):
                           high_name="int64 max")
         seam_position = as_count(seam_position, "seam_position", low=-INT64_MAX - 1,
                                  high=INT64_MAX, high_name="int64 max")
-        code = native.carry.check_take(self._carry_state, req_id, seam_position)
+        code = _check_take(self._carry_state, req_id, seam_position)
         if code == native.carry.CARRY_NOT_VALID:
             raise ChunkCarryError(
                 f"take_chunk_boundary: no live chunk-boundary carry (chunk_boundary_valid "
@@ -425,12 +452,14 @@ class MTPMetadata(InputChecks):
         device and are not value-checked (that would be a sync); the host then has no
         copy of the offsets and ``ForwardShape.max_seqlen_k`` is None.
         """
-        backend = self._require("begin_decode")
+        backend = self._backend
+        if backend is None:
+            backend = self._require("begin_decode")
         count = as_count(active_request_count, "active_request_count",
                          high=self.max_requests, high_name="max_requests")
         padded = self._padded_request_slots(padded_count, count)
-        on_device = is_device_tensor(start_positions) or is_device_tensor(block_table_src)
-        if on_device and backend.mirror:
+        if backend.mirror and (is_device_tensor(start_positions)
+                               or is_device_tensor(block_table_src)):
             self._check_device_decode_inputs(start_positions, block_table_src, count)
             backend.begin_decode_device(count, start_positions, block_table_src)
         else:
@@ -473,6 +502,7 @@ class MTPMetadata(InputChecks):
         self.active_offsets, self.active_block_table, self._active_lengths = views
         self.graphed = bool(graphed)
         self.forward_mode = MTPForwardMode.DRAFT
+        self._decode_record = None  # a new draft loop: its first depth makes a record
 
     def _require_draft_views(self, method: str) -> Any:
         backend = self._require(method)
@@ -484,7 +514,9 @@ class MTPMetadata(InputChecks):
     def advance_decode_step(self) -> None:
         """Advance every active request's write position by one, in place (device
         buffer and host copy alike)."""
-        backend = self._require_draft_views("advance_decode_step")
+        backend = self._backend
+        if backend is None or self.active_offsets is None:
+            backend = self._require_draft_views("advance_decode_step")
         backend.advance_decode_step(self.active_request_count)
 
     def end_forward(self) -> None:
@@ -517,19 +549,27 @@ class MTPMetadata(InputChecks):
         call ``begin_decode`` again instead. The direct path reads the buffers and
         sees such an edit.
         """
-        backend = self._require_draft_views("setup_decode_step")
-        if self.forward_mode is not MTPForwardMode.DRAFT:
+        backend = self._backend
+        if backend is None or self.active_offsets is None:
+            backend = self._require_draft_views("setup_decode_step")
+        if self.forward_mode is not _DRAFT:
             raise ForwardModeError(f"setup_decode_step: forward_mode is "
                                    f"{self.forward_mode.name}, expected DRAFT (call "
                                    "begin_decode first)")
         target = self._target(gpu_view)
         count, padded = self.active_request_count, self.padded_count
-        self._check_view_capacity(target, tokens=padded, requests=padded)
-        self._check_view_width(target, self.max_kv_block_count, "max_kv_block_count")
+        if padded > target.max_tokens or padded > target.max_requests or \
+                target.width != self.max_kv_block_count:
+            self._check_view_capacity(target, tokens=padded, requests=padded)
+            self._check_view_width(target, self.max_kv_block_count, "max_kv_block_count")
         max_kv = backend.decode_step(target, count, padded, self.graphed)
         if max_kv < 0:  # the kernel found a bad offset and wrote nothing
             self._raise_position_error("active_offsets", backend.host_offsets, count)
-        self.last_forward = ForwardRecord("decode", gpu_view, count, padded, count, padded)
+        record = self._decode_record  # the depths of one draft loop share a record
+        if record is None or record.gpu_view is not gpu_view:
+            record = ForwardRecord("decode", gpu_view, count, padded, count, padded)
+            self._decode_record = record
+        self.last_forward = record
         if self.graphed:  # the capture-time bound, the same at every depth and step
             max_k = self.max_kv_block_count * self.block_size_tokens
         elif backend.host_offsets_known or not count:
@@ -670,7 +710,15 @@ class MTPMetadata(InputChecks):
 
     # -------------------------------------------------------------------- writers
     def _target(self, gpu_view: Any) -> ViewTarget:
-        return self._views.resolve(gpu_view, self._accept_view)
+        last = self._last_view
+        if last is not None and last[0]() is gpu_view and last[1].still_matches(gpu_view):
+            return last[1]
+        target = self._views.resolve(gpu_view, self._accept_view)
+        try:
+            self._last_view = (weakref.ref(gpu_view), target)
+        except TypeError:  # no weak references to this view type: resolve every time
+            self._last_view = None
+        return target
 
     def _accept_view(self, target: ViewTarget) -> None:
         if target.device != self.device:

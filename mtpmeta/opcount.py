@@ -32,6 +32,9 @@ class OpCounter(TorchDispatchMode):
 
     Attributes:
         ops: Counter of op names (``aten::copy_``, ...).
+        view_ops: ops that only make a new view of existing data (``aten::detach``,
+            ``aten::slice``, ``aten::view``, ...): no data is read or written, so on a
+            GPU no kernel is launched (``tensor.numpy()`` issues one ``detach``).
         scalar_reads: ops that read a tensor's value back to the host
             (``aten::_local_scalar_dense``: ``.item()``, ``int(t)``, ``bool(t)``).
         new_storages: outputs whose storage is not one of the op's inputs' storages,
@@ -42,6 +45,7 @@ class OpCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.ops: Counter = Counter()
+        self.view_ops = 0
         self.scalar_reads = 0
         self.new_storages = 0
         self.new_storage_ops: List[str] = []
@@ -50,6 +54,8 @@ class OpCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         name = func._schema.name
         self.ops[name] += 1
+        if func.is_view:
+            self.view_ops += 1
         if name == _SCALAR_READ:
             self.scalar_reads += 1
         inputs, _ = tree_flatten((args, kwargs))
@@ -66,6 +72,11 @@ class OpCounter(TorchDispatchMode):
     def total(self) -> int:
         return sum(self.ops.values())
 
+    @property
+    def data_ops(self) -> int:
+        """Ops that read or write tensor data: ``total`` less ``view_ops``."""
+        return self.total - self.view_ops
+
     def summary(self) -> Dict[str, Any]:
-        return {"ops": self.total, "scalar_reads": self.scalar_reads,
-                "new_storages": self.new_storages}
+        return {"ops": self.total, "data_ops": self.data_ops,
+                "scalar_reads": self.scalar_reads, "new_storages": self.new_storages}

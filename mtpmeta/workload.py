@@ -6,20 +6,27 @@ A standard step (defaults of ``StepConfig``) is:
 * 256 max requests, 128 block columns of 64 tokens, 192 active requests;
 * row compaction: one ``move_request_rows`` of 16 rows, one ``swap_request_rows`` of 4
   pairs, one ``reset_request_rows`` of 16 rows;
-* one chunk carry and one take at the exact seam;
-* a draft loop of 3 depths (``begin_decode``, then ``setup_decode_step`` +
-  ``advance_decode_step`` per depth, ``end_forward``), eager (not graphed);
+* one chunk carry of a ``[1, 1, H]`` hidden and one take at the exact seam;
+* a draft loop of 3 depths (``begin_decode`` from the full ``[R, W]`` table, then
+  ``setup_decode_step`` + ``advance_decode_step`` per depth, ``end_forward``), eager or,
+  with ``StepConfig(graphed=True)``, marked graphed (the forward would replay a graph);
 * a commit pass of the 192 decode requests writing 1-4 tokens each plus one 256-token
   prefill chunk that inherits 8 blocks, tokens padded to a multiple of ``tp`` (8).
 
-``make_steps`` draws the inputs once (numpy, from ``np.random.default_rng(seed)``), so
-the timed loop measures only the library calls; ``run_step`` drives any object with
-the MTPMetadata API (the library or the reference) through one step.
+The inputs have the types the seed declares and a scheduler holds: torch CPU tensors,
+int64 row indices (slices of a ``torch.randperm`` and a ``nonzero`` of a finished
+mask), int32 positions, counts and tables, each per-request input a slice of a
+``[R]`` tensor. ``StepInputs.as_numpy`` gives the same step with numpy arrays, which
+the bench keeps as a second row for comparison.
+
+``make_steps`` draws the inputs once (from ``np.random.default_rng(seed)``), so the
+timed loop measures only the library calls; ``run_step`` drives any object with the
+MTPMetadata API (the library or the reference) through one step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields, replace
 from typing import Any, Dict, List
 
 import numpy as np
@@ -44,6 +51,7 @@ class StepConfig:
     swaps: int = 4
     resets: int = 16
     hidden_size: int = 64
+    graphed: bool = False  # the draft loop's ``graphed`` flag
 
     def __post_init__(self) -> None:
         if self.active + 1 > self.max_requests:
@@ -59,6 +67,11 @@ class StepConfig:
         decode = self.active * 4
         return -(-(decode + self.prefill_tokens) // self.tp) * self.tp + self.tp
 
+    @property
+    def padded_active(self) -> int:
+        """The draft loop's ``padded_count``: ``active`` rounded up to ``tp``."""
+        return -(-self.active // self.tp) * self.tp
+
     def metadata_kwargs(self) -> Dict[str, Any]:
         return dict(enabled=True, max_requests=self.max_requests,
                     max_kv_block_count=self.block_columns,
@@ -69,24 +82,30 @@ class StepConfig:
 
 @dataclass
 class StepInputs:
-    """Inputs of one standard step, all host numpy arrays / torch CPU tensors."""
+    """Inputs of one standard step: torch CPU tensors (or, after ``as_numpy``, numpy
+    arrays for every index, count, position and table; the hidden stays a tensor)."""
 
-    move_src: np.ndarray
-    move_dst: np.ndarray
-    swap_src: np.ndarray
-    swap_dst: np.ndarray
-    reset_rows: np.ndarray
-    hidden: torch.Tensor
+    move_src: Any  # [moves] int64, a slice of a [R] permutation
+    move_dst: Any  # [moves] int64, a slice of the same permutation
+    swap_src: Any  # [swaps] int64, a slice
+    swap_dst: Any  # [swaps] int64, a slice
+    reset_rows: Any  # [resets] int64, nonzero() of a [R] bool mask
+    hidden: torch.Tensor  # [1, 1, H] float32
     carry_req_id: int
     carry_position: int
-    start_positions: torch.Tensor  # [active] int32, depth-0 write positions
-    block_table: torch.Tensor  # [R, W] int32
-    append_counts: torch.Tensor  # [active + 1] int32
-    commit_starts: torch.Tensor  # [active + 1] int32
-    inherited: torch.Tensor  # [active + 1] int32
+    start_positions: Any  # [active] int32, depth-0 write positions (a slice of [R])
+    block_table: Any  # [R, W] int32, the whole table
+    append_counts: Any  # [active + 1] int32 (a slice of [R])
+    commit_starts: Any  # [active + 1] int32 (a slice of [R])
+    inherited: Any  # [active + 1] int32 (a slice of [R])
     padded_tokens: int
     padded_requests: int
-    extra: Dict[str, Any] = field(default_factory=dict)
+
+    def as_numpy(self) -> "StepInputs":
+        """The same step with numpy arrays in place of the index/count/table tensors."""
+        return replace(self, **{
+            f.name: getattr(self, f.name).numpy() for f in fields(self)
+            if f.name != "hidden" and isinstance(getattr(self, f.name), torch.Tensor)})
 
 
 def make_steps(config: StepConfig = StepConfig(), steps: int = 8,
@@ -101,35 +120,40 @@ def make_steps(config: StepConfig = StepConfig(), steps: int = 8,
     resets = min(config.resets, R)
     out = []
     for step in range(steps):
-        rows = rng.permutation(R)
-        table = rng.permutation(R * W).reshape(R, W).astype(np.int32)
+        rows = torch.from_numpy(rng.permutation(R))  # [R] int64
+        table = torch.from_numpy(rng.permutation(R * W).reshape(R, W).astype(np.int32))
         # Depth-0 positions leave room for the draft depths inside the table.
         limit = W * BS - config.depths - 4
-        starts = rng.integers(0, limit, size=n).astype(np.int32)
-        counts = rng.integers(1, 5, size=n + 1).astype(np.int32)
+        starts = np.zeros(R, dtype=np.int32)
+        starts[:n] = rng.integers(0, limit, size=n)
+        counts = np.zeros(R, dtype=np.int32)
+        counts[:n + 1] = rng.integers(1, 5, size=n + 1)
         counts[n] = config.prefill_tokens
-        commit_starts = np.maximum(starts - counts[:n], 0).astype(np.int32)
+        commit_starts = np.zeros(R, dtype=np.int32)
+        commit_starts[:n] = np.maximum(starts[:n] - counts[:n], 0)
         prefill_start = config.inherited_blocks * BS - BS // 2  # crosses the boundary
-        commit_starts = np.append(commit_starts, prefill_start).astype(np.int32)
-        inherited = np.zeros(n + 1, dtype=np.int32)
+        commit_starts[n] = prefill_start
+        inherited = np.zeros(R, dtype=np.int32)
         inherited[n] = config.inherited_blocks
-        total = int(counts.sum())
+        finished = torch.zeros(R, dtype=torch.bool)
+        finished[torch.from_numpy(rng.choice(R, size=resets, replace=False))] = True
+        total = int(counts[:n + 1].sum())
         padded_tokens = -(-total // config.tp) * config.tp
         out.append(StepInputs(
-            move_src=rows[:moves].copy(),
-            move_dst=rows[moves:2 * moves].copy(),
-            swap_src=rows[2 * moves:2 * moves + swaps].copy(),
-            swap_dst=rows[R - swaps:].copy(),
-            reset_rows=rng.choice(R, size=resets, replace=False),
+            move_src=rows[:moves],
+            move_dst=rows[moves:2 * moves],
+            swap_src=rows[2 * moves:2 * moves + swaps],
+            swap_dst=rows[R - swaps:],
+            reset_rows=torch.nonzero(finished, as_tuple=True)[0],
             hidden=torch.from_numpy(rng.standard_normal(config.hidden_size)
-                                    .astype(np.float32)),
+                                    .astype(np.float32)).reshape(1, 1, -1),
             carry_req_id=1000 + step,
             carry_position=prefill_start + config.prefill_tokens - 1,
-            start_positions=torch.from_numpy(starts),
-            block_table=torch.from_numpy(table),
-            append_counts=torch.from_numpy(counts),
-            commit_starts=torch.from_numpy(commit_starts),
-            inherited=torch.from_numpy(inherited),
+            start_positions=torch.from_numpy(starts)[:n],
+            block_table=table,
+            append_counts=torch.from_numpy(counts)[:n + 1],
+            commit_starts=torch.from_numpy(commit_starts)[:n + 1],
+            inherited=torch.from_numpy(inherited)[:n + 1],
             padded_tokens=padded_tokens,
             padded_requests=n + 1,
         ))
@@ -148,9 +172,8 @@ def run_carry(meta: Any, inputs: StepInputs) -> None:
 
 
 def run_draft(meta: Any, view: Any, inputs: StepInputs, config: StepConfig) -> None:
-    n = config.active
-    padded = -(-n // config.tp) * config.tp
-    meta.begin_decode(n, padded, inputs.start_positions, inputs.block_table, False)
+    meta.begin_decode(config.active, config.padded_active, inputs.start_positions,
+                      inputs.block_table, config.graphed)
     for _ in range(config.depths):
         meta.setup_decode_step(view)
         meta.advance_decode_step()

@@ -8,6 +8,7 @@ wrong code.
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ from mtpmeta.workload import StepConfig, make_steps
 
 SMALL_FLAGS = ["--max-requests", "32", "--active", "16", "--block-columns", "16",
                "--block-size", "16", "--prefill-tokens", "32", "--depths", "2",
-               "--steps", "2", "--repeats", "1", "--no-cold-start"]
+               "--steps", "2", "--repeats", "1", "--no-cold-start", "--quick"]
 
 
 def _flatten(step):
@@ -50,6 +51,27 @@ def test_standard_step_matches_the_documented_shape():
     assert (len(step.move_src), len(step.swap_src), len(step.reset_rows)) == (16, 4, 16)
 
 
+def test_standard_step_passes_the_seeds_input_types():
+    """The bench measured numpy inputs while schedulers pass torch tensors (the seed's
+    types), so it measured a friendlier library than users get. Every index, count,
+    position and table input is a torch CPU tensor of a scheduler's dtype, the row and
+    per-request inputs are slices of larger tensors, the table is the whole [R, W]."""
+    config = StepConfig()
+    step = make_steps(config, 1)[0]
+    for name in ("move_src", "move_dst", "swap_src", "swap_dst", "reset_rows"):
+        value = getattr(step, name)
+        assert type(value) is torch.Tensor and value.dtype == torch.int64, name
+    for name in ("start_positions", "block_table", "append_counts", "commit_starts",
+                 "inherited"):
+        value = getattr(step, name)
+        assert type(value) is torch.Tensor and value.dtype == torch.int32, name
+    for name in ("move_src", "move_dst", "swap_src", "swap_dst", "start_positions",
+                 "append_counts", "commit_starts", "inherited"):
+        assert getattr(step, name)._base is not None, f"{name} is not a slice"
+    assert step.block_table.shape == (config.max_requests, config.block_columns)
+    assert step.hidden.shape == (1, 1, config.hidden_size)
+
+
 def test_step_config_refuses_more_active_requests_than_slots():
     with pytest.raises(ValueError, match="max_requests"):
         StepConfig(max_requests=8, active=8)
@@ -59,13 +81,52 @@ def test_bench_cli_writes_json_with_every_implementation(tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert cli_main(["bench", *SMALL_FLAGS, "--json", str(out)]) == 0
     results = json.loads(out.read_text())["results"]
-    assert set(results) == {"reference", "direct", "mirror"}
-    assert results["reference"]["syncs_per_step"] == 2 + 2  # 2 depths; commit total, max
-    for name in ("direct", "mirror"):
-        assert results[name]["syncs_per_step"] == 0
-        assert results[name]["draft_loop_allocations"] == 0
+    assert {row["impl"] for row in results.values()} == {"reference", "direct", "mirror"}
+    assert {(row["inputs"], row["draft"]) for row in results.values()} == {
+        (inputs, draft) for inputs in ("torch", "numpy") for draft in ("eager", "graphed")}
+    for row in results.values():
+        if row["impl"] == "reference":
+            assert row["inputs"] == "torch"  # the seed's types: the baseline of every row
+            # eager: one max per depth (2 depths); graphed depths report the capture-time
+            # bound, no read; the commit pass reads its total and its maximum.
+            depths = 2 if row["draft"] == "eager" else 0
+            assert row["syncs_per_step"] == depths + 2
+        else:
+            assert row["syncs_per_step"] == 0, row
+            assert row["draft_loop_allocations"] == 0, row
+        assert row["data_ops_per_step"] <= row["ops_per_step"]
     printed = capsys.readouterr().out
     assert "views identical" in printed and "speed-up" in printed
+    assert "torch/numpy" in printed and "target:" in printed
+
+
+def test_bench_on_a_gpu_compares_the_reference_with_the_mirror_path():
+    """`mtpmeta bench --device cuda` used to build the direct path on CUDA, which
+    allocate(..., mirror=False) refuses, so the GPU bench always crashed. The bench's
+    rows for a GPU must name only paths that build there: the meta device stands in
+    for CUDA (allocate refuses the direct path on every non-CPU device alike)."""
+    cuda = torch.device("cuda")
+    assert bench.implementations(cuda) == ("reference", "mirror")
+    assert {v.impl for v in bench.variants(cuda)} == {"reference", "mirror"}
+    assert "direct" in bench.implementations(torch.device("cpu"))
+    config = StepConfig(max_requests=32, active=16, block_columns=16, block_size=16,
+                        prefill_tokens=32)
+    meta_device = torch.device("meta")
+    for name in bench.implementations(meta_device):
+        bench.build(name, config, meta_device)  # raised ValueError for "direct"
+
+
+def test_numpy_rows_see_the_same_step_as_the_torch_rows():
+    """The comparison row must differ only in the input types: same values, numpy
+    arrays for every index/count/table, the hidden still a tensor."""
+    step = make_steps(StepConfig(), 1, seed=3)[0]
+    converted = step.as_numpy()
+    for name, value in vars(step).items():
+        other = getattr(converted, name)
+        if isinstance(value, torch.Tensor) and name != "hidden":
+            assert isinstance(other, np.ndarray) and np.array_equal(other, value.numpy())
+        else:
+            assert other is value
 
 
 def test_bench_fails_loudly_when_results_differ(monkeypatch, capsys):
@@ -89,10 +150,9 @@ def test_cli_rejects_unknown_commands(capsys):
 def test_kernel_floor_does_the_same_work_as_the_direct_path(tmp_path):
     """The floor is only a bound if it leaves the same view and buffers as the full
     direct path; the bench reports it next to the implementations."""
-    out = tmp_path / "bench.json"
-    assert bench.main([*SMALL_FLAGS, "--json", str(out)]) == 0
-    floor = json.loads(out.read_text())["kernel_floor"]
-    assert floor["same_result"] is True and floor["us_per_step"] > 0
+    config = StepConfig(max_requests=32, active=16, block_columns=16, block_size=16,
+                        prefill_tokens=32, depths=2)
+    assert bench.floor_matches(config, make_steps(config, 2))
 
 
 def test_kernel_floor_that_skips_work_is_caught(monkeypatch, capsys):
@@ -101,8 +161,8 @@ def test_kernel_floor_that_skips_work_is_caught(monkeypatch, capsys):
     from mtpmeta import floor
 
     def without_padding(meta, view, inputs, config):
-        inputs = floor.FloorInputs(**{**vars(inputs), "padded_tokens": 0,
-                                      "pad_tokens": 0})
+        values = {f.name: getattr(inputs, f.name) for f in fields(floor.FloorInputs)}
+        inputs = floor.FloorInputs(**{**values, "padded_tokens": 0, "pad_tokens": 0})
         original(meta, view, inputs, config)
 
     original = floor.floor_step

@@ -819,6 +819,7 @@ def steps_ahead_of_a_stalled_device(make_sim, slots: int, steps: int = 4) -> int
     """Whole standard steps (small config) the host completes before its first fence
     stall when the device runs nothing on its own."""
     cfg = small_step_config()
+    inputs = make_steps(cfg, steps, 0)  # the scheduler's host tensors, made outside
     sim = make_sim(0, idle=1.0)
     with sim:
         meta = MTPMetadata(**cfg.metadata_kwargs())
@@ -826,7 +827,7 @@ def steps_ahead_of_a_stalled_device(make_sim, slots: int, steps: int = 4) -> int
         view = ContextGPUView(cfg.max_requests, cfg.max_tokens, cfg.block_columns)
         sim.synchronize()
         done = 0
-        for step in make_steps(cfg, steps, 0):
+        for step in inputs:
             run_step(meta, view, step, cfg)
             if sim.stalls:
                 break

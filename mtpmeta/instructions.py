@@ -1,0 +1,199 @@
+"""Instructions per standard step under valgrind's callgrind: ratios that do not move
+with machine load.
+
+Wall-clock ratios on a shared 2-core machine swing by 2x when another process runs;
+the number of instructions a step executes does not. ``count_step_instructions`` runs
+one child process under ``valgrind --tool=callgrind --instr-atstart=no``: importing
+torch and mtpmeta and warming every path run uninstrumented (about 30 s instead of
+5 minutes fully instrumented), then each measured region is bracketed by callgrind
+client requests (start instrumentation, zero the counters, run, dump under a label,
+stop). The client requests come from pytest-codspeed's compiled instrument hooks
+(the ``bench`` extra), called through ``ctypes`` so the child imports no pytest.
+
+Counted per standard step: the reference, the direct path (torch and numpy inputs),
+the mirror path and the kernel floor, eager and graphed; and per call, each case of
+``mtpmeta.percall`` with numpy and with torch inputs. Instruction counts weigh a
+cache miss like an add, so they are a repeatable proxy for host cost, not a time.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict
+from typing import Any, Callable, Dict, List, Optional
+
+__all__ = ["unavailable", "callgrind_regions", "count_step_instructions",
+           "format_instructions"]
+
+_PRELUDE = """
+import ctypes as _ctypes
+_hooks = _ctypes.CDLL({library!r})
+
+
+def region(label, run):
+    '''Run ``run()`` instrumented; its instructions are dumped under ``label``.'''
+    name = label.encode()
+    _hooks.callgrind_start_instrumentation()
+    _hooks.callgrind_zero_stats()
+    run()
+    _hooks.callgrind_dump_stats_at(name)
+    _hooks.callgrind_stop_instrumentation()
+"""
+_TRIGGER = re.compile(r"^desc: Trigger: Client Request: (.*)$", re.M)
+_TOTALS = re.compile(r"^totals: (\d+)", re.M)
+
+
+def hooks_library() -> Optional[str]:
+    """Path of pytest-codspeed's compiled instrument hooks, or None."""
+    spec = importlib.util.find_spec("pytest_codspeed")
+    if spec is None or spec.origin is None:
+        return None
+    found = glob.glob(os.path.join(os.path.dirname(spec.origin), "instruments", "hooks",
+                                   "dist_instrument_hooks*.so"))
+    return found[0] if found else None
+
+
+def unavailable() -> Optional[str]:
+    """Why instructions cannot be counted here, or None when they can."""
+    if shutil.which("valgrind") is None:
+        return "valgrind is not installed"
+    if hooks_library() is None:
+        return ("pytest-codspeed's instrument hooks are not installed "
+                "(pip install -e '.[bench]')")
+    return None
+
+
+def callgrind_regions(body: str, *, timeout: float = 600) -> Dict[str, int]:
+    """Run the Python source ``body`` under callgrind, instrumentation off at start;
+    ``body`` calls ``region(label, fn)`` for each measured part. Returns
+    ``{label: instructions}`` in the order the regions ran."""
+    reason = unavailable()
+    if reason:
+        raise RuntimeError(f"cannot count instructions: {reason}")
+    source = _PRELUDE.format(library=hooks_library()) + body
+    with tempfile.TemporaryDirectory(prefix="mtpmeta-callgrind-") as folder:
+        out = os.path.join(folder, "callgrind.out")
+        command = [shutil.which("valgrind"), "--tool=callgrind", "--instr-atstart=no",
+                   f"--callgrind-out-file={out}", "--dump-line=no", sys.executable,
+                   "-c", source]
+        env = {**os.environ, "PYTHONHASHSEED": "0"}
+        result = subprocess.run(command, capture_output=True, text=True, env=env,
+                                timeout=timeout)
+        if result.returncode != 0:
+            raise RuntimeError(f"callgrind run failed (exit {result.returncode}):\n"
+                               f"{result.stderr[-3000:]}")
+        regions: Dict[int, tuple] = {}
+        for path in glob.glob(out + ".*"):
+            text = open(path, encoding="utf-8", errors="replace").read()
+            trigger, totals = _TRIGGER.search(text), _TOTALS.search(text)
+            if trigger and totals:
+                regions[int(path.rsplit(".", 1)[1])] = (trigger.group(1), int(totals.group(1)))
+    return {label: count for _, (label, count) in sorted(regions.items())}
+
+
+def step_regions(region: Callable[[str, Callable[[], None]], None], config_fields: Dict,
+                 steps: int, seed: int, calls: int) -> None:
+    """Child side: warm every path, then measure ``steps`` standard steps of each as
+    one region per variant, and ``calls`` calls of each per-call case per input type.
+    ``region`` is callgrind's marker in the child (any ``(label, fn)`` runner works)."""
+    import torch
+
+    from . import floor
+    from .bench import Variant, build
+    from .gpu_view import ContextGPUView
+    from .metadata import MTPMetadata
+    from .percall import _cases
+    from .workload import StepConfig, make_steps, run_step
+
+    torch.set_num_threads(1)
+    config = StepConfig(**config_fields)
+    torch_steps = make_steps(config, steps, seed=seed)
+    inputs_of = {"torch": torch_steps, "numpy": [s.as_numpy() for s in torch_steps]}
+    measured: List[tuple] = []
+    for draft in ("eager", "graphed"):
+        for variant in (Variant("reference", "torch", draft), Variant("direct", "torch", draft),
+                        Variant("direct", "numpy", draft), Variant("mirror", "torch", draft)):
+            variant_config = variant.config(config)
+            meta, view = build(variant.impl, variant_config, torch.device("cpu"))
+            batch = inputs_of[variant.inputs]
+
+            def run(meta=meta, view=view, batch=batch, variant_config=variant_config):
+                for inputs in batch:
+                    run_step(meta, view, inputs, variant_config)
+
+            measured.append((variant.label, run))
+    bare, bare_view = build("direct", config, torch.device("cpu"))
+    prepared = floor.prepare(torch_steps)
+    converting = [floor.TorchFloorInputs(step, bare_inputs)
+                  for step, bare_inputs in zip(torch_steps, prepared)]
+    for label, batch in (("kernel floor", prepared), ("kernel floor, torch inputs", converting)):
+        measured.append((label, lambda batch=batch: [
+            floor.floor_step(bare, bare_view, inputs, config) for inputs in batch]))
+    meta = MTPMetadata(**config.metadata_kwargs())
+    meta.allocate("cpu", mirror=False)
+    view = ContextGPUView(config.max_requests, config.max_tokens, config.block_columns)
+    for label, (numpy_call, torch_call) in _cases(meta, view, torch_steps[0], config).items():
+        for side, call in (("numpy", numpy_call), ("torch", torch_call)):
+            measured.append((f"call {side} {label}",
+                             lambda call=call: [call() for _ in range(calls)]))
+    for _ in range(2):  # warm: JIT, per-shape caches, interpreter specialisation
+        for _, run in measured:
+            run()
+    for label, run in measured:
+        region(label, run)
+
+
+def count_step_instructions(config: Any, *, steps: int = 4, seed: int = 0,
+                            calls: int = 50, timeout: float = 600) -> Dict[str, Any]:
+    """Instructions per standard step of each variant and per call of each per-call
+    case, counted in one callgrind run, with their ratios (see the module docstring)."""
+    body = ("import json\nfrom mtpmeta.instructions import step_regions\n"
+            f"step_regions(region, json.loads({json.dumps(json.dumps(asdict(config)))}), "
+            f"{steps}, {seed}, {calls})\n")
+    counts = callgrind_regions(body, timeout=timeout)
+    per_step = {label: count / steps for label, count in counts.items()
+                if not label.startswith("call ")}
+    result: Dict[str, Any] = {"steps": steps, "per_step": per_step, "per_call": {}}
+    for draft in ("eager", "graphed"):
+        reference = per_step[f"reference torch {draft}"]
+        result[f"reference_over_direct_{draft}"] = reference / per_step[f"direct torch {draft}"]
+        result[f"direct_over_floor_{draft}"] = (per_step[f"direct torch {draft}"]
+                                                / per_step["kernel floor"])
+        result[f"direct_over_torch_floor_{draft}"] = (
+            per_step[f"direct torch {draft}"] / per_step["kernel floor, torch inputs"])
+    for label, count in counts.items():
+        if label.startswith("call "):
+            _, side, case = label.split(" ", 2)
+            result["per_call"].setdefault(case, {})[side] = count / calls
+    for row in result["per_call"].values():
+        row["ratio"] = row["torch"] / row["numpy"]
+    return result
+
+
+def format_instructions(result: Dict[str, Any]) -> str:
+    per_step = result["per_step"]
+    lines = [f"instructions per standard step (callgrind, {result['steps']} steps; "
+             "repeatable, load-independent)"]
+    for label, count in per_step.items():
+        draft = "graphed" if label.endswith("graphed") else "eager"
+        reference = per_step[f"reference torch {draft}"]
+        lines.append(f"  {label:<28}{count:>12,.0f}{reference / count:>8.1f}x fewer than "
+                     f"the reference")
+    for draft in ("eager", "graphed"):
+        lines.append(f"  direct torch {draft}: {result[f'direct_over_floor_{draft}']:.2f}x "
+                     "the kernel floor's instructions, "
+                     f"{result[f'direct_over_torch_floor_{draft}']:.2f}x the floor with "
+                     "torch inputs")
+    lines.append(f"  {'per call (instructions)':<44}{'numpy':>9}{'torch':>9}{'torch/numpy':>13}")
+    for case, row in result["per_call"].items():
+        lines.append(f"  {case:<44}{row['numpy']:>9,.0f}{row['torch']:>9,.0f}"
+                     f"{row['ratio']:>12.2f}x")
+    return "\n".join(lines)
