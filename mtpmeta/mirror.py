@@ -18,8 +18,11 @@ count into the graph and leave the host's draft state behind the device's.
 
 Inputs that are already device tensors take ``DeviceRoute`` (``mirror_device.py``).
 
-Cost note: a staged forward costs 1 H2D copy plus at most 7 device copies into the
-view (fields side by side in the view go as one strided copy), 8-9 torch ops in all;
+Cost note: a staged forward costs 1 H2D copy plus at most 7 device copies into the view
+(fields evenly spaced in the view go as one strided copy: with no pad tokens the four
+int32 token maps are one copy), 7-9 torch ops in all. The H2D copy is one contiguous
+byte range: copying strided pinned memory straight into the view would make PyTorch
+stage each non-contiguous H2D copy through a temporary (an allocation and a kernel);
 ``staging_slots`` (default 4) bounds how many staged calls per ring the host can run
 ahead of the device before ``acquire`` waits on a fence. A standard step stages 3 draft
 depths and 1 commit pass through the forward ring, so 4 slots let the host issue a
@@ -42,7 +45,7 @@ from .inputs import kernel_optional
 from .layout import PackedLayout, numpy_dtype
 from .mirror_device import DeviceRoute
 from .runtime import DeviceRuntime, get_runtime
-from .staging import BoundedCache, StagingRing, paired
+from .staging import BoundedCache, StagingRing, grouped, paired
 
 __all__ = ["MirrorBackend"]
 
@@ -50,6 +53,9 @@ __all__ = ["MirrorBackend"]
 _WIDEST = ViewFields(**{name: torch.int64 for name in ViewFields._fields})
 _ALIGN = 8
 CopyPair = Tuple[Tensor, Tensor]  # (destination, source)
+# The int32 token maps, in one fixed order for grouped copies (a calling convention).
+_INT32_TOKEN_MAPS = ("token_to_block_idx", "token_to_local_position_within_kv_block",
+                     "token_to_request_idx", "token_to_position_in_request")
 
 
 def _pair_copies(dst_a: Tensor, dst_b: Tensor, src_a: Tensor, src_b: Tensor,
@@ -205,16 +211,24 @@ class MirrorBackend:
         view = target.fields
         buffers = self.buffers
 
-        def padded_token_copies():  # block and local offset over the padded rows
-            return _pair_copies(view.token_to_block_idx,
-                                view.token_to_local_position_within_kv_block,
-                                staged.token_to_block_idx,
-                                staged.token_to_local_position_within_kv_block, tokens)
-
-        def real_token_copies():  # request, position and pos id of the real tokens only
-            copies = _pair_copies(view.token_to_request_idx, view.token_to_position_in_request,
-                                  staged.token_to_request_idx,
-                                  staged.token_to_position_in_request, real_tokens)
+        def token_copies():
+            # Block and local offset over the padded rows; request, position and pos id
+            # over the real ones only (pad rows keep theirs). With no pad rows the four
+            # int32 maps sit evenly spaced in view and shadow: one copy for all four.
+            if real_tokens == tokens and tokens:
+                dst = grouped([getattr(view, name) for name in _INT32_TOKEN_MAPS], tokens)
+                src = grouped([getattr(staged, name) for name in _INT32_TOKEN_MAPS], tokens)
+                if dst is not None and src is not None:
+                    return [(dst, src), (view.token_to_pos_ids[:tokens],
+                                         staged.token_to_pos_ids[:tokens])]
+            copies = (_pair_copies(view.token_to_block_idx,
+                                   view.token_to_local_position_within_kv_block,
+                                   staged.token_to_block_idx,
+                                   staged.token_to_local_position_within_kv_block, tokens)
+                      + _pair_copies(view.token_to_request_idx,
+                                     view.token_to_position_in_request,
+                                     staged.token_to_request_idx,
+                                     staged.token_to_position_in_request, real_tokens))
             if real_tokens:
                 copies.append((view.token_to_pos_ids[:real_tokens],
                                staged.token_to_pos_ids[:real_tokens]))
@@ -233,10 +247,8 @@ class MirrorBackend:
                     + [(view.mha_block_table[:requests], staged.mha_block_table)])
 
         parts = [
-            _cached(plans, ("padded_tokens", generation, slot, layout, tokens),
-                    padded_token_copies),
-            _cached(plans, ("real_tokens", generation, slot, layout, real_tokens),
-                    real_token_copies),
+            _cached(plans, ("tokens", generation, slot, layout, tokens, real_tokens),
+                    token_copies),
             _cached(plans, ("requests", generation, slot, layout, requests), request_copies),
         ]
         if to_lengths == "pair":

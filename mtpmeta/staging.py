@@ -23,7 +23,7 @@ import torch
 
 from .runtime import DeviceRuntime, get_runtime
 
-__all__ = ["StagingRing", "BoundedCache", "paired"]
+__all__ = ["StagingRing", "BoundedCache", "grouped", "paired"]
 
 _ALIGN = 8
 
@@ -90,21 +90,32 @@ class BoundedCache:
         self._entries.clear()
 
 
-def paired(first: torch.Tensor, second: torch.Tensor, length: int) -> Optional[torch.Tensor]:
-    """``[2, length]`` strided view over ``first[:length]`` and ``second[:length]`` when
-    they are 1-D, contiguous, of one dtype, in one storage, ``second`` after ``first``
-    by at least ``length`` elements; else None. One copy then writes both."""
-    if first.dim() != 1 or second.dim() != 1 or first.dtype != second.dtype:
+def grouped(parts: Sequence[torch.Tensor], length: int) -> Optional[torch.Tensor]:
+    """``[k, length]`` strided view over ``parts[i][:length]`` when the ``k`` parts are
+    1-D, contiguous, of one dtype, in one storage, and each starts the same number of
+    elements (at least ``length``) after the one before; else None. One copy then
+    writes all of them.
+
+    Example: a view's four int32 token parts, ``max_tokens`` apart, give a
+    ``[4, length]`` view with strides ``(max_tokens, 1)``.
+    """
+    first = parts[0]
+    if any(f.dim() != 1 or f.dtype != first.dtype or not f.is_contiguous() or
+           f.shape[0] < length for f in parts):
         return None
-    if not (first.is_contiguous() and second.is_contiguous()):
+    storage = first.untyped_storage().data_ptr()
+    if any(f.untyped_storage().data_ptr() != storage for f in parts[1:]):
         return None
-    if first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr():
-        return None
-    gap_bytes = second.data_ptr() - first.data_ptr()
     itemsize = first.element_size()
-    if gap_bytes % itemsize:
+    gap_bytes = parts[1].data_ptr() - first.data_ptr() if len(parts) > 1 else length * itemsize
+    if gap_bytes % itemsize or gap_bytes < length * itemsize:
         return None
-    gap = gap_bytes // itemsize
-    if gap < length or first.shape[0] < length or second.shape[0] < length:
-        return None
-    return torch.as_strided(first, (2, length), (gap, 1))
+    for before, after in zip(parts, parts[1:]):
+        if after.data_ptr() - before.data_ptr() != gap_bytes:
+            return None
+    return torch.as_strided(first, (len(parts), length), (gap_bytes // itemsize, 1))
+
+
+def paired(first: torch.Tensor, second: torch.Tensor, length: int) -> Optional[torch.Tensor]:
+    """``grouped((first, second), length)``: one copy writes both halves of a pair."""
+    return grouped((first, second), length)
