@@ -45,7 +45,7 @@ from .inputs import kernel_optional
 from .layout import PackedLayout, numpy_dtype
 from .mirror_device import DeviceRoute
 from .runtime import DeviceRuntime, get_runtime
-from .staging import BoundedCache, StagingRing, grouped, paired
+from .staging import BoundedCache, StagingRing, grouped
 
 __all__ = ["MirrorBackend"]
 
@@ -64,8 +64,8 @@ def _pair_copies(dst_a: Tensor, dst_b: Tensor, src_a: Tensor, src_b: Tensor,
     sides pair up, else two."""
     if length == 0:
         return []
-    dst = paired(dst_a, dst_b, length)
-    src = paired(src_a, src_b, length)
+    dst = grouped((dst_a, dst_b), length)
+    src = grouped((src_a, src_b), length)
     if dst is not None and src is not None:
         return [(dst, src)]
     return [(dst_a[:length], src_a[:length]), (dst_b[:length], src_b[:length])]

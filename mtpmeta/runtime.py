@@ -74,10 +74,6 @@ class CopyFence:
         if event is not None and self._recorded and not event.query():
             event.synchronize()
 
-    def pending(self) -> bool:
-        """True while work recorded before the fence may still read the slot."""
-        return self._event is not None and self._recorded and not self._event.query()
-
 
 class TorchRuntime:
     """The real runtime: ``torch.cuda`` events and streams; no-ops for the CPU."""

@@ -23,7 +23,7 @@ import torch
 
 from .runtime import DeviceRuntime, get_runtime
 
-__all__ = ["StagingRing", "BoundedCache", "grouped", "paired"]
+__all__ = ["StagingRing", "BoundedCache", "grouped"]
 
 _ALIGN = 8
 
@@ -114,8 +114,3 @@ def grouped(parts: Sequence[torch.Tensor], length: int) -> Optional[torch.Tensor
         if after.data_ptr() - before.data_ptr() != gap_bytes:
             return None
     return torch.as_strided(first, (len(parts), length), (gap_bytes // itemsize, 1))
-
-
-def paired(first: torch.Tensor, second: torch.Tensor, length: int) -> Optional[torch.Tensor]:
-    """``grouped((first, second), length)``: one copy writes both halves of a pair."""
-    return grouped((first, second), length)

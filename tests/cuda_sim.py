@@ -192,9 +192,6 @@ class _NoOpFence:
     def wait(self) -> None:
         pass
 
-    def pending(self) -> bool:
-        return False
-
 
 class SimRuntime:
     """The ``mtpmeta.runtime.DeviceRuntime`` the simulator installs."""
