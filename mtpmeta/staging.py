@@ -16,9 +16,8 @@ the fence is a no-op; the CUDA-semantics simulator of the tests gives it real me
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence
 
-import numpy as np
 import torch
 
 from .runtime import DeviceRuntime, get_runtime

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import hypothesis.strategies as st
 import numpy as np
-import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
