@@ -17,7 +17,11 @@ import torch
 
 from .runtime import DeviceRuntime, get_runtime
 
-__all__ = ["PersistentBuffers"]
+__all__ = ["PersistentBuffers", "BUFFER_NAMES"]
+
+# The buffers SPEC §1 names, as MTPMetadata exposes them (None when not allocated).
+BUFFER_NAMES = ("request_matched_prefix_blocks", "offsets", "block_table", "query_lengths",
+                "kv_lengths", "row_ids", "chunk_boundary_hidden")
 
 
 @dataclass

@@ -55,13 +55,12 @@ from typing import Any, Dict, Optional
 import numpy as np
 import torch
 
+from .buffers import BUFFER_NAMES
 from .errors import InvariantError
 from .types import ForwardRecord, MTPForwardMode
 
 __all__ = ["check_invariants", "install_debug_checks", "InvariantError"]
 
-BUFFER_NAMES = ("request_matched_prefix_blocks", "offsets", "block_table", "query_lengths",
-                "kv_lengths", "row_ids", "chunk_boundary_hidden")
 TOKEN_KINDS = ("decode", "commit", "tokens")  # records that wrote token rows
 REQUEST_KINDS = ("decode", "commit", "mha")  # records that wrote request slots
 # Records a COMMIT forward can end on: its pass, or writer calls made during it (the

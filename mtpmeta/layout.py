@@ -17,13 +17,22 @@ from typing import Any, Sequence, Tuple
 import numpy as np
 import torch
 
-__all__ = ["PackedLayout", "record_type", "numpy_dtype"]
+__all__ = ["PackedLayout", "record_type", "numpy_dtype", "round_up"]
 
 _NUMPY_DTYPES = {torch.int8: np.int8, torch.int16: np.int16, torch.int32: np.int32,
                  torch.int64: np.int64, torch.uint8: np.uint8}
 for _bits in (16, 32, 64):
     if hasattr(torch, f"uint{_bits}"):
         _NUMPY_DTYPES[getattr(torch, f"uint{_bits}")] = getattr(np, f"uint{_bits}")
+
+
+def round_up(value: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` that is ``>= value`` (``multiple >= 1``).
+
+    >>> round_up(13, 8), round_up(16, 8), round_up(0, 8)
+    (16, 16, 0)
+    """
+    return -(-value // multiple) * multiple
 
 
 def numpy_dtype(dtype: torch.dtype) -> np.dtype:
@@ -61,12 +70,12 @@ class PackedLayout:
         for _, dtype, shape in entries:
             step = align or dtype.itemsize
             widest = max(widest, step)
-            offset = -(-offset // step) * step
+            offset = round_up(offset, step)
             offsets.append(offset)
             offset += int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         return cls(tuple(e[0] for e in entries), tuple(e[1] for e in entries),
                    tuple(tuple(e[2]) for e in entries), tuple(offsets),
-                   -(-offset // widest) * widest)
+                   round_up(offset, widest))
 
     def _spans(self):
         for dtype, shape, offset in zip(self.dtypes, self.shapes, self.offsets):

@@ -32,6 +32,8 @@ from typing import Any, Dict, List
 import numpy as np
 import torch
 
+from .layout import round_up
+
 __all__ = ["StepConfig", "StepInputs", "make_steps", "run_step", "run_step_groups"]
 
 
@@ -65,12 +67,12 @@ class StepConfig:
     @property
     def max_tokens(self) -> int:
         decode = self.active * 4
-        return -(-(decode + self.prefill_tokens) // self.tp) * self.tp + self.tp
+        return round_up(decode + self.prefill_tokens, self.tp) + self.tp
 
     @property
     def padded_active(self) -> int:
         """The draft loop's ``padded_count``: ``active`` rounded up to ``tp``."""
-        return -(-self.active // self.tp) * self.tp
+        return round_up(self.active, self.tp)
 
     def metadata_kwargs(self) -> Dict[str, Any]:
         return dict(enabled=True, max_requests=self.max_requests,
@@ -138,7 +140,7 @@ def make_steps(config: StepConfig = StepConfig(), steps: int = 8,
         finished = torch.zeros(R, dtype=torch.bool)
         finished[torch.from_numpy(rng.choice(R, size=resets, replace=False))] = True
         total = int(counts[:n + 1].sum())
-        padded_tokens = -(-total // config.tp) * config.tp
+        padded_tokens = round_up(total, config.tp)
         out.append(StepInputs(
             move_src=rows[:moves],
             move_dst=rows[moves:2 * moves],

@@ -10,17 +10,9 @@ from typing import Any, Dict
 import torch
 
 from mtpmeta import VIEW_FIELDS, ContextGPUView, MTPMetadata
+from mtpmeta.buffers import BUFFER_NAMES
 from mtpmeta.reference import ReferenceGPUView, ReferenceMTPMetadata
 
-BUFFER_NAMES = (
-    "request_matched_prefix_blocks",
-    "offsets",
-    "block_table",
-    "query_lengths",
-    "kv_lengths",
-    "row_ids",
-    "chunk_boundary_hidden",
-)
 PATHS = ("direct", "mirror")
 
 

@@ -57,3 +57,12 @@ def test_no_code_indexes_view_fields_by_position():
                  for number, line in enumerate(path.read_text().splitlines(), 1)
                  if pattern.search(line)]
     assert offenders == []
+
+
+def test_layout_docstring_examples_hold():
+    import doctest
+
+    import mtpmeta.layout
+
+    result = doctest.testmod(mtpmeta.layout)
+    assert result.attempted >= 1 and result.failed == 0

@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from ..gpu_view import ContextGPUView
+from ..layout import round_up
 from ..metadata import MTPMetadata
 from .checks import Checker, Expectation
 from .config import SimConfig
@@ -229,7 +230,7 @@ class Engine:
         cfg, rows, d = self.config, self.rows, self.config.dummy_block
         counts = [w.x.shape[0] for w in works]
         total = sum(counts)
-        padded = -(-total // cfg.tp) * cfg.tp
+        padded = round_up(total, cfg.tp)
         pad = padded - total
         if len(works) >= cfg.max_requests and pad:
             raise RuntimeError("engine bug: a padded commit pass with P == R")
@@ -294,7 +295,7 @@ class Engine:
         cfg, n = self.config, len(works)
         graphed = self.step_index % 2 == 0
         padded = next(b for b in self.buckets() if b >= n) if graphed else \
-            min(cfg.max_requests, -(-n // cfg.tp) * cfg.tp)
+            min(cfg.max_requests, round_up(n, cfg.tp))
         requests = [w.request for w in works]
         positions = torch.tensor([len(r.tokens) - 2 for r in requests], device=self.device)
         table = self.rows.table[[self.rows.row_of(r) for r in requests]]
