@@ -107,7 +107,7 @@ def step_regions(region: Callable[[str, Callable[[], None]], None], config_field
     import torch
 
     from . import floor
-    from .bench import Variant, build
+    from .bench_variants import Variant, build
     from .gpu_view import ContextGPUView
     from .metadata import MTPMetadata
     from .percall import _cases

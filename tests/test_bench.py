@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from mtpmeta import bench
+from mtpmeta import bench, bench_measure, bench_variants
 from mtpmeta.__main__ import main as cli_main
+from mtpmeta.reference import ReferenceMTPMetadata
 from mtpmeta.workload import StepConfig, make_steps
 
 SMALL_FLAGS = ["--max-requests", "32", "--active", "16", "--block-columns", "16",
@@ -106,14 +107,14 @@ def test_bench_on_a_gpu_compares_the_reference_with_the_mirror_path():
     rows for a GPU must name only paths that build there: the meta device stands in
     for CUDA (allocate refuses the direct path on every non-CPU device alike)."""
     cuda = torch.device("cuda")
-    assert bench.implementations(cuda) == ("reference", "mirror")
-    assert {v.impl for v in bench.variants(cuda)} == {"reference", "mirror"}
-    assert "direct" in bench.implementations(torch.device("cpu"))
+    assert bench_variants.implementations(cuda) == ("reference", "mirror")
+    assert {v.impl for v in bench_variants.variants(cuda)} == {"reference", "mirror"}
+    assert "direct" in bench_variants.implementations(torch.device("cpu"))
     config = StepConfig(max_requests=32, active=16, block_columns=16, block_size=16,
                         prefill_tokens=32)
     meta_device = torch.device("meta")
-    for name in bench.implementations(meta_device):
-        bench.build(name, config, meta_device)  # raised ValueError for "direct"
+    for name in bench_variants.implementations(meta_device):
+        bench_variants.build(name, config, meta_device)  # raised ValueError for "direct"
 
 
 def test_numpy_rows_see_the_same_step_as_the_torch_rows():
@@ -131,13 +132,13 @@ def test_numpy_rows_see_the_same_step_as_the_torch_rows():
 
 def test_bench_fails_loudly_when_results_differ(monkeypatch, capsys):
     """Corrupt the reference's token maps: the bench must exit 1 before timing."""
-    original = bench.ReferenceMTPMetadata.write_token_maps
+    original = ReferenceMTPMetadata.write_token_maps
 
     def corrupted(self, gpu_view, rows, positions, *args, **kwargs):
         original(self, gpu_view, rows, positions, *args, **kwargs)
         gpu_view.token_to_block_idx[0] += 1
 
-    monkeypatch.setattr(bench.ReferenceMTPMetadata, "write_token_maps", corrupted)
+    monkeypatch.setattr(ReferenceMTPMetadata, "write_token_maps", corrupted)
     assert bench.main(SMALL_FLAGS) == 1
     assert "RESULTS DIFFER" in capsys.readouterr().err
 
@@ -152,7 +153,7 @@ def test_kernel_floor_does_the_same_work_as_the_direct_path(tmp_path):
     direct path; the bench reports it next to the implementations."""
     config = StepConfig(max_requests=32, active=16, block_columns=16, block_size=16,
                         prefill_tokens=32, depths=2)
-    assert bench.floor_matches(config, make_steps(config, 2))
+    assert bench_variants.floor_matches(config, make_steps(config, 2))
 
 
 def test_kernel_floor_that_skips_work_is_caught(monkeypatch, capsys):
@@ -174,7 +175,7 @@ def test_kernel_floor_that_skips_work_is_caught(monkeypatch, capsys):
 def test_cold_start_runs_new_processes_and_reports_the_warm_median():
     config = StepConfig(max_requests=32, active=16, block_columns=16, block_size=16,
                         prefill_tokens=32, depths=2)
-    result = bench.cold_start(config, warm_runs=2)
+    result = bench_measure.cold_start(config, warm_runs=2)
     runs = result["warm_cache_runs_s"]
     assert len(runs) == 2 and all(run > 0 for run in runs)
     assert result["warm_cache_s"] == pytest.approx(sum(runs) / 2)  # median of two

@@ -3,7 +3,7 @@ the library (direct and mirror paths) beside the pure-torch reference."""
 
 import torch
 
-from mtpmeta.bench import build
+from mtpmeta.bench_variants import build
 from mtpmeta.workload import StepConfig, make_steps
 
 ACTIVE = [8, 64, 256]

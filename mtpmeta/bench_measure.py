@@ -1,0 +1,202 @@
+"""Timing for ``mtpmeta bench``: whole steps, method groups, counts, sweep, cold start.
+
+Every repeat runs one pass of each variant (and of the CPU kernel floors) in turn, so a
+load change hits every row alike; the figures are medians over the repeats, in µs per
+step. Ratios between rows of one run are what the bench reports; absolute times only
+compare on the same machine.
+"""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from . import floor
+from .bench_variants import Variant, build, implementations, inputs_of, variants
+from .opcount import OpCounter
+from .workload import StepConfig, StepInputs, make_steps, run_step, run_step_groups
+
+__all__ = ["measure", "sweep", "cold_start"]
+
+_COLD_START = """
+import time, sys
+t0 = time.perf_counter()
+from mtpmeta import MTPMetadata, ContextGPUView
+from mtpmeta.workload import StepConfig, make_steps, run_step
+config = StepConfig(**{config})
+inputs = make_steps(config, 1)[0]
+meta = MTPMetadata(**config.metadata_kwargs())
+meta.allocate("cpu")
+view = ContextGPUView(config.max_requests, config.max_tokens, config.block_columns)
+run_step(meta, view, inputs, config)
+print(time.perf_counter() - t0)
+"""
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+@dataclass
+class _Run:
+    """A built variant (or the kernel floor) being timed."""
+
+    label: str
+    step: Callable[[Any], None]  # runs one step's inputs
+    steps: List[Any]
+    groups: Optional[Callable[[Any, Dict[str, int]], None]] = None
+    per_step: List[float] = field(default_factory=list)
+    per_group: Dict[str, List[float]] = field(default_factory=dict)
+
+    def time_steps(self, device: torch.device) -> None:
+        _sync(device)
+        start = time.perf_counter_ns()
+        for inputs in self.steps:
+            self.step(inputs)
+        _sync(device)
+        self.per_step.append((time.perf_counter_ns() - start) / len(self.steps) / 1e3)
+
+    def time_groups(self, device: torch.device) -> None:
+        if self.groups is None:
+            return
+        totals = dict.fromkeys(run_step_groups, 0)
+        _sync(device)
+        for inputs in self.steps:
+            self.groups(inputs, totals)
+        _sync(device)
+        for group, total in totals.items():
+            self.per_group.setdefault(group, []).append(total / len(self.steps) / 1e3)
+
+
+def _variant_run(variant: Variant, config: StepConfig, steps: List[StepInputs],
+                 device: torch.device):
+    config = variant.config(config)
+    meta, view = build(variant.impl, config, device)
+    for inputs in steps:  # warm-up: JIT, per-shape caches
+        run_step(meta, view, inputs, config)
+
+    def groups(inputs: StepInputs, totals: Dict[str, int]) -> None:
+        for group, run in run_step_groups.items():
+            t0 = time.perf_counter_ns()
+            run(meta, view, inputs, config)
+            totals[group] += time.perf_counter_ns() - t0
+
+    run = _Run(variant.label, lambda inputs: run_step(meta, view, inputs, config), steps,
+               groups)
+    return run, meta, view, config
+
+
+def _counts(meta: Any, view: Any, config: StepConfig,
+            steps: List[StepInputs]) -> Dict[str, Any]:
+    """Torch ops, syncs and draft-loop allocations of one warm step."""
+    with OpCounter() as step_counter:
+        run_step(meta, view, steps[0], config)
+    inputs = steps[1 % len(steps)]
+    meta.begin_decode(config.active, config.padded_active, inputs.start_positions,
+                      inputs.block_table, config.graphed)
+    with OpCounter() as draft_counter:
+        for _ in range(config.depths):
+            meta.setup_decode_step(view)
+            meta.advance_decode_step()
+        meta.end_forward()
+    return {"ops_per_step": step_counter.total, "data_ops_per_step": step_counter.data_ops,
+            "ops_by_name": dict(step_counter.ops),
+            "syncs_per_step": step_counter.scalar_reads,
+            "draft_loop_allocations": draft_counter.new_storages}
+
+
+def _floor_runs(config: StepConfig, steps: List[StepInputs],
+                device: torch.device) -> List[_Run]:
+    """The CPU kernel floors, warmed: on pre-converted inputs, and converting each
+    torch input as it is read."""
+    bare, bare_view = build("direct", config, device)
+    prepared = floor.prepare(steps)
+    converting = [floor.TorchFloorInputs(step, bare_inputs)
+                  for step, bare_inputs in zip(steps, prepared)]
+    runs: List[_Run] = []
+    for label, batch in (("kernel floor", prepared),
+                         ("kernel floor, torch inputs", converting)):
+        runs.append(_Run(
+            label, lambda inputs: floor.floor_step(bare, bare_view, inputs, config),
+            batch))
+        runs[-1].time_steps(device)  # warm-up
+        runs[-1].per_step.clear()
+    return runs
+
+
+def measure(config: StepConfig, steps: List[StepInputs], repeats: int,
+            device: torch.device, progress: Any = None,
+            with_floor: bool = True) -> Tuple[Dict[str, Dict[str, Any]], Dict[str, float]]:
+    """Median µs per step and per method group of every variant, plus op/sync/allocation
+    counts, and the kernel floors' median µs per step (CPU: ``"kernel floor"`` on
+    pre-converted inputs, ``"kernel floor, torch inputs"`` converting each torch input
+    as it is read). Every repeat runs one pass of each variant and floor in turn, so
+    they share the machine's state of the moment."""
+    by_kind = inputs_of(steps)
+    rows = variants(device)
+    runs, built = [], {}
+    for variant in rows:
+        run, meta, view, variant_config = _variant_run(variant, config, by_kind[variant.inputs],
+                                                       device)
+        runs.append(run)
+        built[variant] = (meta, view, variant_config)
+    floor_runs: List[_Run] = []
+    if with_floor and device.type == "cpu":
+        floor_runs = _floor_runs(config, steps, device)
+        runs.extend(floor_runs)
+    for _ in range(repeats):
+        for run in runs:
+            run.time_steps(device)
+        for run in runs:
+            run.time_groups(device)
+        if progress is not None:
+            progress.update(1)
+    results: Dict[str, Dict[str, Any]] = {}
+    for variant, run in zip(rows, runs):
+        meta, view, variant_config = built[variant]
+        groups = {group: statistics.median(values) for group, values in run.per_group.items()}
+        groups["draft depth"] /= config.depths
+        results[variant.label] = {
+            "impl": variant.impl, "inputs": variant.inputs, "draft": variant.draft,
+            "us_per_step": statistics.median(run.per_step), "us_per_group": groups,
+            **_counts(meta, view, variant_config, by_kind[variant.inputs])}
+    floors = {run.label: statistics.median(run.per_step) for run in floor_runs}
+    return results, floors
+
+
+def sweep(config: StepConfig, actives: List[int], repeats: int, device: torch.device,
+          steps: int) -> Dict[str, Dict[int, float]]:
+    """µs per step of each path (torch inputs, eager) over batch sizes."""
+    results: Dict[str, Dict[int, float]] = {name: {} for name in implementations(device)}
+    for active in actives:
+        sized = replace(config, active=active,
+                        max_requests=max(config.max_requests, active + 1))
+        rows, _ = measure(sized, make_steps(sized, steps), repeats, device,
+                          with_floor=False)
+        for name in results:
+            results[name][active] = rows[Variant(name).label]["us_per_step"]
+    return results
+
+
+def cold_start(config: StepConfig, warm_runs: int = 3) -> Dict[str, Any]:
+    """Seconds to the end of the first step in a new process: once with numba's cache
+    as it is (compiling what is missing), then ``warm_runs`` times with it warm. Single
+    runs swing by 0.2 s here (torch's own import varies most), so the warm figure is
+    the median of the runs, all of which are kept."""
+    script = _COLD_START.format(config=repr(asdict(config)))
+    times = []
+    for _ in range(1 + warm_runs):
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True,
+                                text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"cold-start process failed:\n{result.stderr[-2000:]}")
+        times.append(float(result.stdout.strip().splitlines()[-1]))
+    return {"first_run_s": times[0], "warm_cache_s": statistics.median(times[1:]),
+            "warm_cache_runs_s": times[1:]}

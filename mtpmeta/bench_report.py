@@ -1,0 +1,114 @@
+"""What ``mtpmeta bench`` prints: the results table, this revision's targets, the plot.
+
+Inputs are :func:`mtpmeta.bench_measure.measure`'s results (keyed by variant label)
+and kernel floors (µs per step); every speed-up is against the reference of the same
+draft mode, measured in the same run.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+from .bench_variants import DRAFT_MODES, Variant
+from .workload import StepConfig
+
+__all__ = ["TARGETS", "table", "target_lines", "plot"]
+
+#: Targets of this revision (issue 11), checked and printed by every CPU run.
+TARGETS = {"direct_vs_floor": 1.35, "direct_speedup": 15.0, "torch_vs_numpy": 1.10,
+           "mirror_ops": 32}
+
+
+def _reference_us(results: Dict[str, Dict[str, Any]], draft: str) -> float:
+    return results[Variant("reference", "torch", draft).label]["us_per_step"]
+
+
+def table(config: StepConfig, results: Dict[str, Dict[str, Any]], device: str,
+          floors: Dict[str, float]) -> str:
+    """One line per variant (µs per step and per method group, speed-up, counts), then
+    the kernel floors."""
+    lines = [
+        f"mtpmeta bench: standard step on {device} (R={config.max_requests}, "
+        f"W={config.block_columns}x{config.block_size}, active={config.active}, "
+        f"depths={config.depths}, prefill={config.prefill_tokens}, tp={config.tp})",
+        f"{'impl':<10}{'inputs':<7}{'draft':<8}{'µs/step':>9}{'rows':>7}{'carry':>7}"
+        f"{'depth':>7}{'commit':>8}{'speed-up':>9}{'ops':>6}{'data ops':>9}{'syncs':>6}"
+        f"{'draft allocs':>13}",
+    ]
+    for label, row in results.items():
+        groups = row["us_per_group"]
+        speedup = _reference_us(results, row["draft"]) / row["us_per_step"]
+        lines.append(
+            f"{row['impl']:<10}{row['inputs']:<7}{row['draft']:<8}{row['us_per_step']:>9.1f}"
+            f"{groups['rows']:>7.1f}{groups['carry']:>7.1f}{groups['draft depth']:>7.1f}"
+            f"{groups['commit pass']:>8.1f}{speedup:>8.1f}x{row['ops_per_step']:>6}"
+            f"{row['data_ops_per_step']:>9}{row['syncs_per_step']:>6}"
+            f"{row['draft_loop_allocations']:>13}")
+    for label, inputs, what in (
+            ("kernel floor", "numpy", "the direct path's numba kernels alone, inputs "
+             "pre-converted"),
+            ("kernel floor, torch inputs", "torch", "the same plus one Tensor.numpy() per "
+             "torch input")):
+        if label in floors:
+            lines.append(f"{'floor':<10}{inputs:<7}{'':<8}{floors[label]:>9.1f}{'':>29}"
+                         f"{_reference_us(results, 'eager') / floors[label]:>8.1f}x   "
+                         f"({what})")
+    return "\n".join(lines)
+
+
+def target_lines(results: Dict[str, Dict[str, Any]], floors: Dict[str, float],
+                 input_cost: Optional[Dict[str, Dict[str, float]]]) -> List[str]:
+    """This revision's targets against this run's numbers, one line each."""
+    lines = []
+    floor_us = floors.get("kernel floor")
+    torch_floor_us = floors.get("kernel floor, torch inputs")
+    for draft in DRAFT_MODES:
+        direct = results.get(Variant("direct", "torch", draft).label)
+        if direct is not None and floor_us is not None:
+            vs_floor = direct["us_per_step"] / floor_us
+            speedup = _reference_us(results, draft) / direct["us_per_step"]
+            ok = vs_floor <= TARGETS["direct_vs_floor"] and \
+                speedup >= TARGETS["direct_speedup"]
+            extra = "" if torch_floor_us is None else (
+                f"; {direct['us_per_step'] / torch_floor_us:.2f}x the floor with "
+                "torch inputs")
+            lines.append(f"direct, torch inputs, {draft}: {vs_floor:.2f}x the kernel floor "
+                         f"(target <= {TARGETS['direct_vs_floor']}){extra}; {speedup:.1f}x "
+                         f"the reference (target >= {TARGETS['direct_speedup']:.0f}): "
+                         f"{'met' if ok else 'MISSED'}")
+        mirror = results.get(Variant("mirror", "torch", draft).label)
+        if mirror is not None:
+            ok = mirror["data_ops_per_step"] <= TARGETS["mirror_ops"] and \
+                mirror["syncs_per_step"] == 0
+            lines.append(f"mirror, torch inputs, {draft}: {mirror['ops_per_step']} torch "
+                         f"ops/step, {mirror['data_ops_per_step']} of them touching data "
+                         f"(target <= {TARGETS['mirror_ops']}), "
+                         f"{mirror['syncs_per_step']} syncs (target 0): "
+                         f"{'met' if ok else 'MISSED'}")
+    if input_cost:
+        worst = max(input_cost.items(), key=lambda item: item[1]["ratio"])
+        ok = worst[1]["ratio"] <= TARGETS["torch_vs_numpy"]
+        lines.append(f"torch vs numpy inputs, per call: worst {worst[1]['ratio']:.2f}x "
+                     f"({worst[0]}; target <= {TARGETS['torch_vs_numpy']}): "
+                     f"{'met' if ok else 'MISSED'}")
+    return lines
+
+
+def plot(results: Dict[str, Dict[int, float]], path: str) -> None:
+    """Draw :func:`mtpmeta.bench_measure.sweep`'s µs per step over batch size to a PNG
+    at ``path`` (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for name, series in results.items():
+        axis.plot(list(series), list(series.values()), marker="o", label=name)
+    axis.set_xlabel("active requests")
+    axis.set_ylabel("host µs per standard step")
+    axis.set_yscale("log")
+    axis.set_title("mtpmeta: host cost per step")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
