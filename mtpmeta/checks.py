@@ -221,12 +221,18 @@ def check_decode_counts(geo: Geometry, active_request_count: Any,
 def check_begin_decode(geo: Geometry, active_request_count: Any, padded_count: Any,
                        start_positions: Any, block_table_src: Any) -> DecodeInputs:
     """``begin_decode``'s inputs. Host start positions are range-checked by the copy
-    kernel (``raise_position_error`` decodes its refusal)."""
-    count, padded = check_decode_counts(geo, active_request_count, padded_count)
+    kernel (``raise_position_error`` decodes its refusal). The counts are checked as
+    in ``check_decode_counts``, inline: this runs once per draft loop."""
+    count = as_count(active_request_count, "active_request_count",
+                     high=geo.max_requests, high_name="max_requests")
+    padded = as_count(padded_count, "padded_count", high=geo.max_requests,
+                      high_name="max_requests")
+    if padded < count:
+        raise ValueError(f"padded_count: {padded} < active_request_count {count}")
     if geo.mirror and (is_device_tensor(start_positions)
                        or is_device_tensor(block_table_src)):
         check_device_tensors(geo.device, (("start_positions", start_positions, 1),
-                                    ("block_table_src", block_table_src, 2)))
+                                          ("block_table_src", block_table_src, 2)))
         starts, table, on_device = start_positions, block_table_src, True
     else:
         starts = as_host_ints(start_positions, "start_positions")
@@ -387,8 +393,8 @@ def check_mha_inputs(geo: Geometry, target: ViewTarget, query_lengths: Any,
     if geo.mirror and any(is_device_tensor(x) for x in
                           (query_lengths, kv_lengths, block_table)):
         check_device_tensors(geo.device, (("query_lengths", query_lengths, 1),
-                                    ("kv_lengths", kv_lengths, 1),
-                                    ("block_table", block_table, 2)))
+                                          ("kv_lengths", kv_lengths, 1),
+                                          ("block_table", block_table, 2)))
         q, kv, table, on_device = query_lengths, kv_lengths, block_table, True
     else:
         q = as_host_ints(query_lengths, "query_lengths")
