@@ -1,14 +1,24 @@
-"""Boundary checks of ``MTPMetadata`` that depend on its geometry and on the
-destination view: counts, padded extents, block columns, shapes of device inputs.
+"""The validation layer of ``MTPMetadata``: one ``check_*`` function per entry point,
+and the decoders of the kernels' status codes.
 
-``InputChecks`` is a mixin: every method reads the geometry attributes of the object
-(``max_requests``, ``max_kv_block_count``, ``block_size_tokens``, ``device``) and raises
-``ValueError``/``IndexError``/``InvalidDtypeError`` naming the argument and the bound,
-before anything is written. Raw-input conversion lives in ``mtpmeta.inputs``.
+A ``check_*`` takes the object's ``Geometry`` (and the resolved destination view where
+the method writes one) with the caller's raw inputs. It raises ``ValueError``,
+``IndexError`` or ``InvalidDtypeError`` naming the argument and the bound before anything
+is written, and returns the inputs the backend takes: C-contiguous int32/int64 numpy
+arrays and plain ints, or the caller's device tensors on the mirror path's device-op
+route (shapes and dtypes checked; values are not read, that would sync). Tuples, not
+named records: a record costs about 0.5 µs per call, a tenth of a ``write_token_maps``.
+
+Kernels that write scan first and refuse without writing; the ``raise_*`` functions
+turn a refusal (a ``TokenStatus``/``CarryStatus`` code or the refused index) into the
+error the caller sees. Raw-input conversion is ``mtpmeta.inputs``. Explicit raises,
+never ``assert``: they hold under ``python -O``.
 """
 
 from __future__ import annotations
 
+import enum
+from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
 import numpy as np
@@ -16,191 +26,439 @@ import torch
 from torch import Tensor
 
 from . import native
-from .errors import InvalidDtypeError
+from .errors import ChunkCarryError, InvalidDtypeError
 from .gpu_view import ViewTarget
-from .inputs import as_count, as_host_ints
+from .inputs import (INT32_LIMIT, INT64_MAX, as_count, as_host_counts, as_host_ints,
+                     as_carry_source, as_optional_per_request, as_row_indices,
+                     check_device_tensors,
+                     is_device_tensor, is_int_dtype, raise_row_out_of_range)
 
-__all__ = ["InputChecks", "INT32_LIMIT", "INT64_MAX", "is_int_dtype"]
+__all__ = ["Geometry", "TokenStatus", "CarryStatus", "check_config", "check_allocate",
+           "check_row_pair", "raise_refused_row_pair", "check_carry", "check_take",
+           "check_view_device", "check_decode_counts", "check_begin_decode",
+           "check_decode_view", "raise_position_error", "check_prefill_lengths",
+           "check_commit_inputs", "check_token_inputs", "check_mha_inputs"]
 
-INT32_LIMIT = 2**31  # lengths and token indices are int32 in the view
-INT64_MAX = 2**63 - 1
-_TOKEN_CODES = native.staging
 _first_outside = native.checks.first_outside
+_check_take = native.carry.check_take
+
+# What a check returns (host arrays, or device tensors on the device-op route):
+# (count, padded, start_positions, block_table, on_device)
+DecodeInputs = Tuple[int, int, Any, Any, bool]
+# (counts, starts, block_table, inherited, total, padded_tokens, pad_tokens,
+#  min_padded_requests, padded_requests)
+CommitInputs = Tuple[np.ndarray, Optional[np.ndarray], np.ndarray, Optional[np.ndarray],
+                     int, int, int, int, int]
+# (rows, positions, block_table, inherited, count, padded, on_device)
+TokenInputs = Tuple[Any, Any, Any, Any, int, int, bool]
+# (query_lengths, kv_lengths, block_table, count, padded, on_device)
+MhaInputs = Tuple[Any, Any, Any, int, int, bool]
 
 
-def is_int_dtype(dtype: torch.dtype) -> bool:
-    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+@dataclass(frozen=True, slots=True)
+class Geometry:
+    """What the checks know of one allocation; built by ``MTPMetadata.allocate``."""
+
+    max_requests: int  # R: request rows of the persistent buffers
+    max_kv_block_count: int  # W: block-table width of the draft loop
+    block_size_tokens: int  # BS: tokens per KV block
+    dummy_block_idx: int  # D: the scratch block padded rows point at
+    hidden_size: int  # H: elements of the chunk carry
+    hidden_dtype: torch.dtype  # of the chunk carry
+    device: torch.device  # of the persistent buffers
+    mirror: bool  # device tensors take the device-op route
 
 
-class InputChecks:
-    """Validation mixin of ``MTPMetadata`` (see the module docstring)."""
+@enum.unique
+class TokenStatus(enum.IntEnum):
+    """Codes of ``native.staging.check_token_inputs`` / ``check_commit_inputs`` (the
+    kernels return the plain ints, numba has no enums; these are the same values)."""
 
-    max_requests: int
-    max_kv_block_count: int
-    block_size_tokens: int
-    device: Optional[torch.device]
+    OK = native.staging.TOKENS_OK
+    ROW_OUT_OF_TABLE = native.staging.ROW_OUT_OF_TABLE
+    ROW_OUT_OF_INHERITED = native.staging.ROW_OUT_OF_INHERITED
+    NEGATIVE_POSITION = native.staging.NEGATIVE_POSITION
+    BLOCK_COLUMN_TOO_LARGE = native.staging.BLOCK_COLUMN_TOO_LARGE
+    NEGATIVE_COUNT = native.staging.NEGATIVE_COUNT
 
-    def _padded_request_slots(self, padded_count: Any, count: int) -> int:
-        padded = as_count(padded_count, "padded_count", high=self.max_requests,
-                          high_name="max_requests")
-        if padded < count:
-            raise ValueError(f"padded_count: {padded} < active_request_count {count}")
-        return padded
 
-    def _check_decode_shapes(self, starts: Any, table: Any, count: int) -> None:
-        """Shapes of draft inputs (host arrays or device tensors). Host values are
-        checked by the copy kernel; device values are not read (that would sync)."""
-        if starts.shape[0] < count:
-            raise ValueError(f"start_positions: {starts.shape[0]} entries < "
-                             f"active_request_count {count}")
-        if table.shape[0] < count or table.shape[1] != self.max_kv_block_count:
-            raise ValueError(f"block_table_src: shape {tuple(table.shape)}, expected "
-                             f"[>= {count}, max_kv_block_count {self.max_kv_block_count}]")
+@enum.unique
+class CarryStatus(enum.IntEnum):
+    """Codes of ``native.carry.check_take`` (the same values as its constants)."""
 
-    def _raise_position_error(self, name: str, positions: np.ndarray, count: int) -> None:
-        """Name the bad position in ``positions[:count]`` that a kernel refused."""
-        low, high = native.checks.min_max(positions, count)
-        if low < 0:
-            raise ValueError(f"{name}: negative position {low}")
-        self._check_block_column(name, high)
-        raise ValueError(f"{name}: a position lies outside the block table")
+    OK = native.carry.CARRY_OK
+    NOT_VALID = native.carry.CARRY_NOT_VALID
+    OTHER_REQUEST = native.carry.CARRY_OTHER_REQUEST
+    OTHER_POSITION = native.carry.CARRY_OTHER_POSITION
 
-    def _check_device_decode_inputs(self, starts: Tensor, table: Tensor,
-                                    count: int) -> None:
-        self._check_device_tensors((("start_positions", starts, 1),
-                                    ("block_table_src", table, 2)))
-        self._check_decode_shapes(starts, table, count)
 
-    def _check_block_column(self, name: str, position: int,
-                            columns: Optional[int] = None) -> None:
-        columns = self.max_kv_block_count if columns is None else columns
-        column = position // self.block_size_tokens
-        if column >= columns:
-            bound = ("max_kv_block_count" if columns == self.max_kv_block_count
-                     else "block_table width")
-            raise ValueError(f"{name}: block column {column} >= {bound} {columns} "
-                             f"(position {position}, block_size {self.block_size_tokens})")
+# The fast paths test ``if code:``: OK must be the only falsy code.
+if TokenStatus.OK != 0 or CarryStatus.OK != 0:
+    raise ImportError("mtpmeta.checks: a kernel's OK status code is not 0")
 
-    def _host_counts(self, value: Any, name: str) -> np.ndarray:
-        counts = as_host_ints(value, name)
-        if len(counts) > self.max_requests:
-            raise ValueError(f"{name}: {len(counts)} requests > max_requests "
-                             f"{self.max_requests}")
-        bad = _first_outside(counts, 0, INT32_LIMIT)
-        if bad >= 0:
-            kind = "negative count" if counts[bad] < 0 else "count beyond int32"
-            raise ValueError(f"{name}: {kind} {int(counts[bad])} at index {bad}")
-        return counts
 
-    def _check_device_counts(self, counts: Tensor) -> Tensor:
-        self._check_device_tensors((("append_counts", counts, 1),))
-        if counts.shape[0] > self.max_requests:
-            raise ValueError(f"append_counts: shape {tuple(counts.shape)}, expected "
-                             f"[P <= max_requests {self.max_requests}]")
-        return counts
+# ---------------------------------------------------------------- construction
+def check_config(max_requests: Any, max_kv_block_count: Any, block_size_tokens: Any,
+                 dummy_block_idx: Any, block_table_dtype: Any, hidden_size: Any,
+                 hidden_dtype: Any) -> None:
+    """The constructor's arguments of an enabled ``MTPMetadata``."""
+    for name, value in (("max_requests", max_requests),
+                        ("max_kv_block_count", max_kv_block_count),
+                        ("block_size_tokens", block_size_tokens),
+                        ("hidden_size", hidden_size)):
+        as_count(value, name, low=1)
+    as_count(dummy_block_idx, "dummy_block_idx", low=-2**31)
+    if not isinstance(block_table_dtype, torch.dtype) or \
+            not is_int_dtype(block_table_dtype):
+        raise InvalidDtypeError(f"block_table_dtype: expected an integer torch "
+                                f"dtype, got {block_table_dtype!r}")
+    if not isinstance(hidden_dtype, torch.dtype) or not hidden_dtype.is_floating_point:
+        raise InvalidDtypeError(f"hidden_dtype: expected a floating torch dtype, "
+                                f"got {hidden_dtype!r}")
 
-    def _optional_per_request(self, value: Any, name: str,
-                              count: int) -> Optional[np.ndarray]:
-        if value is None:
-            return None
-        array = as_host_ints(value, name)
-        if len(array) < count:
-            raise ValueError(f"{name}: {len(array)} entries < {count} requests "
-                             "(append_counts)")
-        return array
 
-    @staticmethod
-    def _check_view_capacity(target: ViewTarget, *, tokens: int = 0,
-                             requests: int = 0) -> None:
-        if tokens > target.max_tokens:
-            raise ValueError(f"padded token count {tokens} > max_tokens "
-                             f"{target.max_tokens} of gpu_view")
-        if requests > target.max_requests:
-            raise ValueError(f"padded request count {requests} > max_requests "
-                             f"{target.max_requests} of gpu_view")
+def check_allocate(device: Any, mirror: Optional[bool], max_tokens: Any,
+                   staging_slots: Any) -> Tuple[torch.device, bool]:
+    """``allocate``'s arguments; returns ``(device, mirror)`` with mirror decided."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as error:
+        raise ValueError(f"allocate: device {device!r} is not a torch device "
+                         f"({error})") from None
+    if mirror is None:
+        mirror = device.type != "cpu"
+    elif not mirror and device.type != "cpu":
+        raise ValueError(f"allocate: mirror=False needs a CPU device, got {device}")
+    as_count(max_tokens, "max_tokens", low=1, high=INT32_LIMIT - 1,
+             high_name="int32 token index limit")
+    as_count(staging_slots, "staging_slots", low=2, high=64, high_name="slot limit")
+    return device, mirror
 
-    @staticmethod
-    def _check_view_width(target: ViewTarget, width: int, name: str) -> None:
-        if width != target.width:
-            raise ValueError(f"{name} {width} != gpu_view.mha_block_table width "
-                             f"{target.width}")
 
-    def _padded_tokens(self, padded_token_count: Any, count: int,
-                       target: ViewTarget) -> int:
-        if count > target.max_tokens:
-            raise ValueError(f"positions: {count} tokens > max_tokens {target.max_tokens} "
-                             "of gpu_view")
-        padded = as_count(padded_token_count, "padded_token_count", high=target.max_tokens,
-                          high_name="gpu_view max_tokens")
-        if padded < count:
-            raise ValueError(f"padded_token_count: {padded} < number of tokens {count}")
-        return padded
+# ---------------------------------------------------------------- row lifecycle
+def check_row_pair(geo: Geometry, method: str, src_idxs: Any,
+                   dst_idxs: Any) -> Tuple[np.ndarray, np.ndarray]:
+    """``(src, dst)`` index arrays of equal length for a move or swap. Their range is
+    checked by the row kernel (``raise_refused_row_pair`` decodes its refusal)."""
+    num_rows = geo.max_requests
+    src = as_row_indices(src_idxs, num_rows, "src_idxs")
+    dst = as_row_indices(dst_idxs, num_rows, "dst_idxs")
+    if type(src) is slice:
+        src = np.arange(num_rows)[src]
+    if type(dst) is slice:
+        dst = np.arange(num_rows)[dst]
+    if len(src) != len(dst):
+        raise ValueError(f"{method}: src_idxs has {len(src)} rows but dst_idxs "
+                         f"has {len(dst)}; they must have the same length")
+    return src, dst
 
-    def _raise_token_error(self, code: int, t: int, rows: np.ndarray,
-                           positions: np.ndarray, table: np.ndarray,
-                           inherited: Optional[np.ndarray], columns: int) -> None:
-        if code == _TOKEN_CODES.ROW_OUT_OF_TABLE:
-            raise IndexError(f"rows: row {int(rows[t])} (token {t}) out of range for "
-                             f"block_table with {table.shape[0]} rows")
-        if code == _TOKEN_CODES.ROW_OUT_OF_INHERITED:
-            raise IndexError(f"rows: row {int(rows[t])} (token {t}) out of range for "
-                             f"inherited_blocks with {inherited.shape[0]} entries")
-        if code == _TOKEN_CODES.NEGATIVE_POSITION:
-            raise ValueError(f"positions: negative position {int(positions[t])} "
-                             f"(token {t})")
-        self._check_block_column(f"positions (token {t})", int(positions[t]), columns)
 
-    def _check_device_tensors(self, named: Tuple[Tuple[str, Any, int], ...]) -> None:
-        """Each ``(name, tensor, ndim)``: an integer tensor of ``ndim`` dims on the
-        buffers' device (the device-op route takes nothing else)."""
-        for name, tensor, ndim in named:
-            if not isinstance(tensor, torch.Tensor) or tensor.device != self.device:
-                raise ValueError(f"{name}: with device inputs every input must be a "
-                                 f"tensor on {self.device}")
-            if not is_int_dtype(tensor.dtype):
-                raise InvalidDtypeError(f"{name}: dtype {tensor.dtype} is not an integer "
-                                        "dtype")
-            if tensor.dim() != ndim:
-                raise ValueError(f"{name}: expected {ndim}-D, got shape "
-                                 f"{tuple(tensor.shape)}")
+def raise_refused_row_pair(geo: Geometry, src: np.ndarray, dst: np.ndarray,
+                           bad: int) -> None:
+    """``bad`` from a pair kernel: the index it refused (nothing written), -1 for none;
+    ``[0, len(src))`` counts into ``src``, the rest into ``dst``."""
+    if bad >= 0:
+        count = src.shape[0]
+        if bad < count:
+            raise_row_out_of_range(src, bad, geo.max_requests, "src_idxs")
+        raise_row_out_of_range(dst, bad - count, geo.max_requests, "dst_idxs")
 
-    def _check_device_token_inputs(self, rows: Any, positions: Any, block_table: Any,
-                                   inherited: Any) -> int:
+
+# ----------------------------------------------------------------- chunk carry
+def check_carry(geo: Geometry, hidden: Any, req_id: Any,
+                position: Any) -> Tuple[Tensor, int, int]:
+    """``(source, req_id, position)``: ``source`` is ``hidden`` shaped to broadcast
+    into the ``[1, 1, H]`` carry (detached), the keys are checked ints."""
+    req_id = as_count(req_id, "req_id", high=INT64_MAX, high_name="int64 max")
+    position = as_count(position, "position", high=INT64_MAX, high_name="int64 max")
+    return as_carry_source(hidden, geo.hidden_size, geo.hidden_dtype), req_id, position
+
+
+def check_take(carry_state: np.ndarray, req_id: Any, seam_position: Any) -> None:
+    """Whether the live carry (``[valid, req_id, position]``) is ``req_id``'s at
+    ``seam_position``; raises ``ChunkCarryError`` naming what differs."""
+    req_id = as_count(req_id, "req_id", low=-INT64_MAX - 1, high=INT64_MAX,
+                      high_name="int64 max")
+    seam_position = as_count(seam_position, "seam_position", low=-INT64_MAX - 1,
+                             high=INT64_MAX, high_name="int64 max")
+    code = _check_take(carry_state, req_id, seam_position)
+    if not code:
+        return
+    if code == CarryStatus.NOT_VALID:
+        raise ChunkCarryError(
+            f"take_chunk_boundary: no live chunk-boundary carry (chunk_boundary_valid "
+            f"is False), but request {req_id} asked for one at position {seam_position}")
+    if code == CarryStatus.OTHER_REQUEST:
+        raise ChunkCarryError(
+            f"take_chunk_boundary: the carry belongs to request "
+            f"{int(carry_state[1])}, not request {req_id}")
+    if code == CarryStatus.OTHER_POSITION:
+        raise ChunkCarryError(
+            f"take_chunk_boundary: the carry for request {req_id} sits at position "
+            f"{int(carry_state[2])}, but the seam is at {seam_position}")
+
+
+def check_view_device(geo: Geometry, target: ViewTarget) -> None:  # every writer
+    """A destination view, resolved once, lies on the buffers' device."""
+    if target.device != geo.device:
+        raise ValueError(f"gpu_view: fields on {target.device}, but buffers were "
+                         f"allocated on {geo.device}")
+
+
+# ------------------------------------------------------------------ draft loop
+def check_decode_counts(geo: Geometry, active_request_count: Any,
+                        padded_count: Any) -> Tuple[int, int]:
+    """``(n, p)`` with ``0 <= n <= p <= max_requests``."""
+    count = as_count(active_request_count, "active_request_count",
+                     high=geo.max_requests, high_name="max_requests")
+    padded = as_count(padded_count, "padded_count", high=geo.max_requests,
+                      high_name="max_requests")
+    if padded < count:
+        raise ValueError(f"padded_count: {padded} < active_request_count {count}")
+    return count, padded
+
+
+def check_begin_decode(geo: Geometry, active_request_count: Any, padded_count: Any,
+                       start_positions: Any, block_table_src: Any) -> DecodeInputs:
+    """``begin_decode``'s inputs. Host start positions are range-checked by the copy
+    kernel (``raise_position_error`` decodes its refusal). The counts are checked as
+    in ``check_decode_counts``, inline: this runs once per draft loop."""
+    count = as_count(active_request_count, "active_request_count",
+                     high=geo.max_requests, high_name="max_requests")
+    padded = as_count(padded_count, "padded_count", high=geo.max_requests,
+                      high_name="max_requests")
+    if padded < count:
+        raise ValueError(f"padded_count: {padded} < active_request_count {count}")
+    if geo.mirror and (is_device_tensor(start_positions)
+                       or is_device_tensor(block_table_src)):
+        check_device_tensors(geo.device, (("start_positions", start_positions, 1),
+                                          ("block_table_src", block_table_src, 2)))
+        starts, table, on_device = start_positions, block_table_src, True
+    else:
+        starts = as_host_ints(start_positions, "start_positions")
+        table = as_host_ints(block_table_src, "block_table_src", ndim=2)
+        on_device = False
+    if starts.shape[0] < count:
+        raise ValueError(f"start_positions: {starts.shape[0]} entries < "
+                         f"active_request_count {count}")
+    if table.shape[0] < count or table.shape[1] != geo.max_kv_block_count:
+        raise ValueError(f"block_table_src: shape {tuple(table.shape)}, expected "
+                         f"[>= {count}, max_kv_block_count {geo.max_kv_block_count}]")
+    return count, padded, starts, table, on_device
+
+
+def check_decode_view(geo: Geometry, target: ViewTarget, padded: int) -> None:
+    """A draft depth's view holds ``padded`` tokens and requests at width ``W``.
+    ``setup_decode_step`` calls it only when its inline comparison fails."""
+    _check_view_capacity(target, tokens=padded, requests=padded)
+    _check_view_width(target, geo.max_kv_block_count, "max_kv_block_count")
+
+
+def raise_position_error(geo: Geometry, name: str, positions: np.ndarray,
+                         count: int) -> None:
+    """Name the bad position in ``positions[:count]`` that a kernel refused."""
+    low, high = native.checks.min_max(positions, count)
+    if low < 0:
+        raise ValueError(f"{name}: negative position {low}")
+    _check_block_column(geo, name, high)
+    raise ValueError(f"{name}: a position lies outside the block table")
+
+
+# ----------------------------------------------------------------- commit pass
+def check_prefill_lengths(geo: Geometry, append_counts: Any,
+                          pad_tokens: Any) -> Tuple[Any, int, bool]:
+    """``(counts, pad_tokens, on_device)`` for ``stage_prefill_lengths``."""
+    pad = as_count(pad_tokens, "pad_tokens", high=INT32_LIMIT - 1,
+                   high_name="int32 length limit")
+    if geo.mirror and is_device_tensor(append_counts):
+        check_device_tensors(geo.device, (("append_counts", append_counts, 1),))
+        if append_counts.shape[0] > geo.max_requests:
+            raise ValueError(f"append_counts: shape {tuple(append_counts.shape)}, "
+                             f"expected [P <= max_requests {geo.max_requests}]")
+        return append_counts, pad, True
+    return as_host_counts(geo.max_requests, append_counts, "append_counts"), pad, False
+
+
+def check_commit_inputs(geo: Geometry, target: ViewTarget, append_counts: Any,
+                        block_table: Any, start_positions: Any, inherited_blocks: Any,
+                        padded_token_count: Any,
+                        padded_request_count: Any) -> CommitInputs:
+    """``setup_commit_pass``'s inputs, values included (a device tensor is read back)."""
+    counts = as_host_counts(geo.max_requests, append_counts, "append_counts")
+    num_prefill = counts.shape[0]
+    table = as_host_ints(block_table, "block_table", ndim=2)
+    if table.shape[0] < num_prefill:
+        raise ValueError(f"block_table: {table.shape[0]} rows < {num_prefill} requests "
+                         "(append_counts)")
+    _check_view_width(target, table.shape[1], "block_table width")
+    starts = as_optional_per_request(start_positions, "start_positions", num_prefill)
+    inherited = as_optional_per_request(inherited_blocks, "inherited_blocks", num_prefill)
+    columns = min(geo.max_kv_block_count, table.shape[1])
+    code, culprit, total, _ = native.staging.check_commit_inputs(
+        counts, starts if starts is not None else counts, starts is not None, columns,
+        geo.block_size_tokens)
+    if code:
+        _raise_commit_status(geo, code, culprit, counts, starts, columns)
+    if total > target.max_tokens:
+        raise ValueError(f"append_counts: {total} tokens > max_tokens "
+                         f"{target.max_tokens} of gpu_view")
+    padded_tokens = total if padded_token_count is None else as_count(
+        padded_token_count, "padded_token_count", high=target.max_tokens,
+        high_name="gpu_view max_tokens")
+    if padded_tokens < total:
+        raise ValueError(f"padded_token_count: {padded_tokens} < total append_counts "
+                         f"{total}")
+    pad = padded_tokens - total
+    staged = num_prefill + 1 if pad > 0 and num_prefill < geo.max_requests \
+        else num_prefill
+    min_padded = num_prefill if padded_request_count is None else as_count(
+        padded_request_count, "padded_request_count")
+    if min_padded < num_prefill:
+        raise ValueError(f"padded_request_count: {min_padded} < number of requests "
+                         f"{num_prefill} (append_counts)")
+    padded_requests = max(min_padded, staged)
+    _check_view_capacity(target, requests=padded_requests)
+    return (counts, starts, table, inherited, total, padded_tokens, pad, min_padded,
+            padded_requests)
+
+
+def _raise_commit_status(geo: Geometry, code: int, r: int, counts: np.ndarray,
+                         starts: Optional[np.ndarray], columns: int) -> None:
+    if code == TokenStatus.NEGATIVE_POSITION:
+        raise ValueError(f"start_positions: negative position {int(starts[r])} "
+                         f"at index {r}")
+    if code == TokenStatus.BLOCK_COLUMN_TOO_LARGE:
+        start = 0 if starts is None else int(starts[r])
+        _check_block_column(geo, f"start_positions/append_counts (request {r})",
+                            start + int(counts[r]) - 1, columns)
+
+
+# --------------------------------------------------------------------- writers
+def check_token_inputs(geo: Geometry, target: ViewTarget, rows: Any, positions: Any,
+                       block_table: Any, padded_token_count: Any,
+                       inherited_blocks: Any) -> TokenInputs:
+    """``write_token_maps``'s inputs; on the host, every token's row and position are
+    scanned (``native.staging.check_token_inputs``) before anything is written."""
+    if geo.mirror and any(is_device_tensor(x) for x in
+                          (rows, positions, block_table, inherited_blocks)):
         named = (("rows", rows, 1), ("positions", positions, 1),
-                 ("block_table", block_table, 2), ("inherited_blocks", inherited, 1))
-        self._check_device_tensors(named[:3] if inherited is None else named)
+                 ("block_table", block_table, 2), ("inherited_blocks", inherited_blocks, 1))
+        check_device_tensors(geo.device, named[:3] if inherited_blocks is None else named)
         if rows.shape[0] != positions.shape[0]:
             raise ValueError(f"rows: {rows.shape[0]} entries, positions: "
                              f"{positions.shape[0]}; they must have the same length")
-        return positions.shape[0]
+        count = positions.shape[0]
+        padded = _padded_tokens(target, padded_token_count, count)
+        return rows, positions, block_table, inherited_blocks, count, padded, True
+    rows_np = as_host_ints(rows, "rows")
+    positions_np = as_host_ints(positions, "positions")
+    table = as_host_ints(block_table, "block_table", ndim=2)
+    inherited = None if inherited_blocks is None else as_host_ints(
+        inherited_blocks, "inherited_blocks")
+    count = positions_np.shape[0]
+    if rows_np.shape[0] != count:
+        raise ValueError(f"rows: {rows_np.shape[0]} entries, positions: {count}; they "
+                         "must have the same length")
+    padded = _padded_tokens(target, padded_token_count, count)
+    columns = min(geo.max_kv_block_count, table.shape[1])
+    code, t = native.staging.check_token_inputs(
+        rows_np, positions_np, table.shape[0],
+        0 if inherited is None else inherited.shape[0], inherited is not None, columns,
+        geo.block_size_tokens)
+    if code:
+        _raise_token_status(geo, code, t, rows_np, positions_np, table, inherited,
+                            columns)
+    return rows_np, positions_np, table, inherited, count, padded, False
 
-    def _check_mha_shapes(self, target: ViewTarget, count: int, kv_count: int,
-                          table_shape: Tuple[int, ...]) -> None:
-        if kv_count != count:
-            raise ValueError(f"kv_lengths: {kv_count} entries, query_lengths: {count}; "
-                             "they must have the same length")
-        if table_shape[0] > count:
-            raise ValueError(f"block_table: {table_shape[0]} rows > {count} requests "
-                             "(query_lengths)")
-        self._check_view_width(target, table_shape[1], "block_table width")
 
-    def _padded_requests(self, padded_request_count: Any, count: int,
-                         target: ViewTarget) -> int:
-        if count > target.max_requests:
-            raise ValueError(f"query_lengths: {count} requests > max_requests "
-                             f"{target.max_requests} of gpu_view")
-        padded = as_count(padded_request_count, "padded_request_count",
-                          high=target.max_requests, high_name="gpu_view max_requests")
-        if padded < count:
-            raise ValueError(f"padded_request_count: {padded} < number of requests "
-                             f"{count}")
-        return padded
+def _raise_token_status(geo: Geometry, code: int, t: int, rows: np.ndarray,
+                        positions: np.ndarray, table: np.ndarray,
+                        inherited: Optional[np.ndarray], columns: int) -> None:
+    if code == TokenStatus.ROW_OUT_OF_TABLE:
+        raise IndexError(f"rows: row {int(rows[t])} (token {t}) out of range for "
+                         f"block_table with {table.shape[0]} rows")
+    if code == TokenStatus.ROW_OUT_OF_INHERITED:
+        raise IndexError(f"rows: row {int(rows[t])} (token {t}) out of range for "
+                         f"inherited_blocks with {inherited.shape[0]} entries")
+    if code == TokenStatus.NEGATIVE_POSITION:
+        raise ValueError(f"positions: negative position {int(positions[t])} "
+                         f"(token {t})")
+    _check_block_column(geo, f"positions (token {t})", int(positions[t]), columns)
 
-    def _check_device_mha_inputs(self, target: ViewTarget, query_lengths: Any,
-                                 kv_lengths: Any, block_table: Any) -> int:
-        named = (("query_lengths", query_lengths, 1), ("kv_lengths", kv_lengths, 1),
-                 ("block_table", block_table, 2))
-        self._check_device_tensors(named)
-        count = query_lengths.shape[0]
-        self._check_mha_shapes(target, count, kv_lengths.shape[0], tuple(block_table.shape))
-        return count
+
+def check_mha_inputs(geo: Geometry, target: ViewTarget, query_lengths: Any,
+                     kv_lengths: Any, block_table: Any,
+                     padded_request_count: Any) -> MhaInputs:
+    """``write_mha_metadata``'s inputs; ``kv_lengths`` may be ``query_lengths`` itself."""
+    if geo.mirror and any(is_device_tensor(x) for x in
+                          (query_lengths, kv_lengths, block_table)):
+        check_device_tensors(geo.device, (("query_lengths", query_lengths, 1),
+                                          ("kv_lengths", kv_lengths, 1),
+                                          ("block_table", block_table, 2)))
+        q, kv, table, on_device = query_lengths, kv_lengths, block_table, True
+    else:
+        q = as_host_ints(query_lengths, "query_lengths")
+        kv = q if kv_lengths is query_lengths else as_host_ints(kv_lengths, "kv_lengths")
+        table = as_host_ints(block_table, "block_table", ndim=2)
+        on_device = False
+    count = q.shape[0]
+    if kv.shape[0] != count:
+        raise ValueError(f"kv_lengths: {kv.shape[0]} entries, query_lengths: {count}; "
+                         "they must have the same length")
+    if table.shape[0] > count:
+        raise ValueError(f"block_table: {table.shape[0]} rows > {count} requests "
+                         "(query_lengths)")
+    _check_view_width(target, table.shape[1], "block_table width")
+    if not on_device:
+        for name, lengths in (("query_lengths", q), ("kv_lengths", kv)):
+            bad = _first_outside(lengths, 0, INT32_LIMIT)
+            if bad >= 0:
+                kind = "negative length" if lengths[bad] < 0 else "length beyond int32"
+                raise ValueError(f"{name}: {kind} {int(lengths[bad])} at index {bad}")
+    if count > target.max_requests:
+        raise ValueError(f"query_lengths: {count} requests > max_requests "
+                         f"{target.max_requests} of gpu_view")
+    padded = as_count(padded_request_count, "padded_request_count",
+                      high=target.max_requests, high_name="gpu_view max_requests")
+    if padded < count:
+        raise ValueError(f"padded_request_count: {padded} < number of requests {count}")
+    return q, kv, table, count, padded, on_device
+
+
+# --------------------------------------------------------------------- helpers
+def _check_block_column(geo: Geometry, name: str, position: int,
+                        columns: Optional[int] = None) -> None:
+    columns = geo.max_kv_block_count if columns is None else columns
+    column = position // geo.block_size_tokens
+    if column >= columns:
+        bound = ("max_kv_block_count" if columns == geo.max_kv_block_count
+                 else "block_table width")
+        raise ValueError(f"{name}: block column {column} >= {bound} {columns} "
+                         f"(position {position}, block_size {geo.block_size_tokens})")
+
+
+def _check_view_capacity(target: ViewTarget, *, tokens: int = 0,
+                         requests: int = 0) -> None:
+    if tokens > target.max_tokens:
+        raise ValueError(f"padded token count {tokens} > max_tokens "
+                         f"{target.max_tokens} of gpu_view")
+    if requests > target.max_requests:
+        raise ValueError(f"padded request count {requests} > max_requests "
+                         f"{target.max_requests} of gpu_view")
+
+
+def _check_view_width(target: ViewTarget, width: int, name: str) -> None:
+    if width != target.width:
+        raise ValueError(f"{name} {width} != gpu_view.mha_block_table width "
+                         f"{target.width}")
+
+
+def _padded_tokens(target: ViewTarget, padded_token_count: Any, count: int) -> int:
+    if count > target.max_tokens:
+        raise ValueError(f"positions: {count} tokens > max_tokens {target.max_tokens} "
+                         "of gpu_view")
+    padded = as_count(padded_token_count, "padded_token_count", high=target.max_tokens,
+                      high_name="gpu_view max_tokens")
+    if padded < count:
+        raise ValueError(f"padded_token_count: {padded} < number of tokens {count}")
+    return padded

@@ -14,6 +14,7 @@ from typing import Any, Optional, Tuple, Union
 import numpy as np
 import torch
 
+from . import native
 from .errors import InvalidDtypeError
 
 __all__ = [
@@ -24,9 +25,18 @@ __all__ = [
     "is_device_tensor",
     "RowIndex",
     "kernel_optional",
+    "as_host_counts",
+    "as_carry_source",
+    "as_optional_per_request",
+    "check_device_tensors",
+    "is_int_dtype",
+    "INT32_LIMIT",
+    "INT64_MAX",
 ]
 
 RowIndex = Union[slice, np.ndarray]
+INT32_LIMIT = 2**31  # lengths and token indices are int32 in the view
+INT64_MAX = 2**63 - 1
 _FAST_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 _INT32, _INT64 = _FAST_DTYPES
 _FAST_TORCH = (torch.int32, torch.int64)
@@ -34,6 +44,7 @@ _Tensor, _ndarray = torch.Tensor, np.ndarray
 # What ``Tensor.numpy()`` raises for a tensor it cannot view (device, meta, grad,
 # conj/neg bits, dtypes numpy lacks); such inputs take the checked slow path.
 _NO_VIEW = (TypeError, RuntimeError, ValueError)
+_first_outside = native.checks.first_outside
 
 # The hot paths below (``as_host_ints``, ``as_row_indices``) accept exactly what the
 # bench and a scheduler pass most: a plain CPU tensor or an ndarray whose numpy view is
@@ -196,3 +207,74 @@ def as_row_indices(value: Any, num_rows: int, name: str) -> RowIndex:
     if array.ndim != 1:
         raise ValueError(f"{name}: expected a 1-D index, got shape {tuple(array.shape)}")
     return _as_fast_ints(array, name)
+
+
+def is_int_dtype(dtype: torch.dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
+def as_host_counts(max_requests: int, value: Any, name: str) -> np.ndarray:
+    """Per-request counts ``[P <= max_requests]``, each in ``[0, 2**31)``."""
+    counts = as_host_ints(value, name)
+    if len(counts) > max_requests:
+        raise ValueError(f"{name}: {len(counts)} requests > max_requests "
+                         f"{max_requests}")
+    bad = _first_outside(counts, 0, INT32_LIMIT)
+    if bad >= 0:
+        kind = "negative count" if counts[bad] < 0 else "count beyond int32"
+        raise ValueError(f"{name}: {kind} {int(counts[bad])} at index {bad}")
+    return counts
+
+
+def as_optional_per_request(value: Any, name: str,
+                            count: int) -> Optional[np.ndarray]:
+    """None, or an array of at least ``count`` (the commit pass's requests) entries."""
+    if value is None:
+        return None
+    array = as_host_ints(value, name)
+    if len(array) < count:
+        raise ValueError(f"{name}: {len(array)} entries < {count} requests "
+                         "(append_counts)")
+    return array
+
+
+def check_device_tensors(device: torch.device,
+                         named: Tuple[Tuple[str, Any, int], ...]) -> None:
+    """Each ``(name, tensor, ndim)``: an integer tensor of ``ndim`` dims on the
+    buffers' device (the device-op route takes nothing else)."""
+    for name, tensor, ndim in named:
+        if not isinstance(tensor, torch.Tensor) or tensor.device != device:
+            raise ValueError(f"{name}: with device inputs every input must be a "
+                             f"tensor on {device}")
+        if not is_int_dtype(tensor.dtype):
+            raise InvalidDtypeError(f"{name}: dtype {tensor.dtype} is not an integer "
+                                    "dtype")
+        if tensor.dim() != ndim:
+            raise ValueError(f"{name}: expected {ndim}-D, got shape "
+                             f"{tuple(tensor.shape)}")
+
+
+def as_carry_source(hidden: Any, size: int, hidden_dtype: torch.dtype) -> torch.Tensor:
+    """``hidden`` (a floating tensor of ``size`` elements, any shape) shaped to broadcast
+    into the ``[1, 1, size]`` chunk carry, detached."""
+    if not isinstance(hidden, torch.Tensor):
+        try:
+            hidden = torch.as_tensor(hidden)
+        except (RuntimeError, TypeError, ValueError) as error:
+            raise InvalidDtypeError(f"hidden: expected a tensor with hidden_size "
+                                    f"{size} elements ({error})") from None
+    if hidden.is_meta:
+        raise ValueError("hidden: a meta tensor holds no data to carry")
+    if not hidden.dtype.is_floating_point:
+        raise InvalidDtypeError(f"hidden: dtype {hidden.dtype} is not a floating dtype "
+                                f"(expected {hidden_dtype})")
+    if hidden.numel() != size:
+        raise ValueError(f"hidden: {hidden.numel()} elements (shape "
+                         f"{tuple(hidden.shape)}), expected hidden_size {size}")
+    # [H], [1, H] and [1, 1, H] (H elements, last dim H) broadcast into the buffer as
+    # they are; other shapes with H elements are reshaped first.
+    source = hidden if 0 < hidden.dim() <= 3 and hidden.size(-1) == size \
+        else hidden.reshape(1, 1, size)
+    if source.requires_grad:
+        source = source.detach()  # never let the persistent buffer join a graph
+    return source

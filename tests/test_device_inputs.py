@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import mtpmeta.metadata as metadata_module
+import mtpmeta.checks as checks_module
 from tests.helpers import (assert_buffers_equal, assert_views_equal, make_metadata,
                            make_reference, make_views)
 
@@ -21,7 +21,7 @@ from tests.helpers import (assert_buffers_equal, assert_views_equal, make_metada
 @pytest.fixture
 def device_route(monkeypatch):
     """Treat every torch tensor as a device tensor inside MTPMetadata's routing."""
-    monkeypatch.setattr(metadata_module, "is_device_tensor",
+    monkeypatch.setattr(checks_module, "is_device_tensor",
                         lambda value: isinstance(value, torch.Tensor))
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import mtpmeta.metadata as metadata_module
+import mtpmeta.checks as checks_module
 from mtpmeta import GraphCaptureError, MTPMetadata
 from mtpmeta.opcount import OpCounter
 from mtpmeta.runtime import CopyFence, TorchRuntime, use_runtime
@@ -267,7 +267,7 @@ def test_fences_record_on_the_stream_of_the_buffers_device():
 @pytest.fixture
 def device_route(monkeypatch):
     """Treat every torch tensor as a device tensor inside MTPMetadata's routing."""
-    monkeypatch.setattr(metadata_module, "is_device_tensor",
+    monkeypatch.setattr(checks_module, "is_device_tensor",
                         lambda value: isinstance(value, torch.Tensor))
 
 

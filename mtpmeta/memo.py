@@ -1,0 +1,85 @@
+"""What ``MTPMetadata`` memoizes for one allocation: resolved destination views,
+``ForwardShape``s, and slices of the persistent buffers.
+
+Everything here is rebuilt on demand and dies with the allocation. A step resolves the
+same view four times, draws a shape that repeats step after step, and slices the same
+buffers at the same counts; building those again each call would cost more than the
+kernels that follow (a frozen dataclass alone costs about 1 µs).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Dict, Optional, Tuple
+
+from torch import Tensor
+
+from .buffers import PersistentBuffers
+from .checks import Geometry, check_view_device
+from .gpu_view import ViewCache, ViewTarget
+from .types import ForwardShape
+
+__all__ = ["ForwardMemo", "ActiveViews"]
+
+# offsets[:n], block_table[:n], (query_lengths[:n], kv_lengths[:n])
+ActiveViews = Tuple[Tensor, Tensor, Tuple[Tensor, Tensor]]
+_MAX_SHAPES = 4096
+
+
+class ForwardMemo:
+    """Memo of one allocation (``buffers``, checked against ``geometry``)."""
+
+    __slots__ = ("_buffers", "_geometry", "_views", "_last_view", "_shapes", "_prefill",
+                 "active")
+
+    def __init__(self, buffers: PersistentBuffers, geometry: Geometry) -> None:
+        self._buffers = buffers
+        self._geometry = geometry
+        self._views = ViewCache()
+        # The last resolved view: (weakref to it, its target). It skips the cache's
+        # lookup, its weakref and bound-method setup.
+        self._last_view: Optional[Tuple[Any, ViewTarget]] = None
+        self._shapes: Dict[Tuple[Any, ...], ForwardShape] = {}
+        self._prefill: Dict[int, Tensor] = {}
+        self.active: Dict[int, ActiveViews] = {}  # by n; ``add_active`` fills it
+
+    def target(self, gpu_view: Any) -> ViewTarget:
+        """``gpu_view`` resolved (and checked to sit on the buffers' device)."""
+        last = self._last_view
+        if last is not None and last[0]() is gpu_view and last[1].still_matches(gpu_view):
+            return last[1]
+        target = self._views.resolve(gpu_view, self._accept)
+        try:
+            self._last_view = (weakref.ref(gpu_view), target)
+        except TypeError:  # no weak references to this view type: resolve every time
+            self._last_view = None
+        return target
+
+    def _accept(self, target: ViewTarget) -> None:
+        check_view_device(self._geometry, target)
+
+    def shape(self, *fields: Any) -> ForwardShape:
+        """``ForwardShape(*fields)``, built once per distinct shape."""
+        shape = self._shapes.get(fields)
+        if shape is None:
+            if len(self._shapes) > _MAX_SHAPES:
+                self._shapes.clear()
+            shape = ForwardShape(*fields)
+            self._shapes[fields] = shape
+        return shape
+
+    def prefill_view(self, length: int) -> Tensor:
+        """``query_lengths[:length]``."""
+        view = self._prefill.get(length)
+        if view is None:
+            view = self._buffers.query_lengths[:length]
+            self._prefill[length] = view
+        return view
+
+    def add_active(self, count: int) -> ActiveViews:
+        """The draft loop's views at ``n = count`` (callers read ``active`` first)."""
+        buffers = self._buffers
+        views = (buffers.offsets[:count], buffers.block_table[:count],
+                 (buffers.query_lengths[:count], buffers.kv_lengths[:count]))
+        self.active[count] = views
+        return views

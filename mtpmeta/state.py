@@ -1,0 +1,193 @@
+"""What an ``MTPMetadata`` holds between calls: the properties over its buffers and
+chunk carry, the allocation it swaps in and out, and the guards its methods open with.
+
+``MetadataState`` is the base of ``MTPMetadata`` (``mtpmeta.metadata``), which sets the
+attributes in its constructor and holds every public method; nothing here validates
+caller input (that is ``mtpmeta.checks``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .backend import Backend
+from .buffers import PersistentBuffers
+from .checks import Geometry, check_decode_counts
+from .direct import DirectBackend
+from .errors import ForwardModeError, MTPDisabledError, NotAllocatedError
+from .gpu_view import ViewTarget
+from .memo import ForwardMemo
+from .runtime import get_runtime
+from .types import ForwardRecord, MTPForwardMode
+
+__all__ = ["MetadataState", "carry_setter", "install_debug_checks_from_env"]
+
+
+def carry_setter(index: int, convert: Any = None) -> Any:
+    """Setter of ``_carry_state[index]`` (``[valid, req_id, position]``)."""
+    def setter(self: "MetadataState", value: Any) -> None:
+        self._carry_state[index] = value if convert is None else convert(value)
+    return setter
+
+
+class MetadataState:
+    """Properties and guards of ``MTPMetadata`` (see the module docstring)."""
+
+    enabled: bool
+    max_requests: int
+    max_kv_block_count: int
+    block_size_tokens: int
+    dummy_block_idx: int
+    block_table_dtype: torch.dtype
+    hidden_size: int
+    hidden_dtype: torch.dtype
+    forward_mode: MTPForwardMode
+    active_offsets: Optional[Tensor]
+    active_block_table: Optional[Tensor]
+    last_forward: Optional[ForwardRecord]
+    _carry_state: np.ndarray
+    _buffers: Optional[PersistentBuffers]
+    _backend: Optional[Backend]
+    _geometry: Optional[Geometry]
+    _memo: Optional[ForwardMemo]
+    _active_lengths: Optional[Tuple[Tensor, Tensor]]
+
+    # ----------------------------------------------------------------- properties
+    @property
+    def forward_active(self) -> bool:
+        """Whether any MTP forward currently owns the attention metadata."""
+        return self.forward_mode is not MTPForwardMode.NONE
+
+    @property
+    def is_varlen_forward(self) -> bool:
+        """Whether the current MTP forward has ragged per-request query lengths."""
+        return self.forward_mode is MTPForwardMode.COMMIT
+
+    @property
+    def mirror(self) -> Optional[bool]:
+        """Read-only: True on the mirror path, False on the direct path, None unallocated."""
+        return None if self._backend is None else self._backend.mirror
+
+    @property
+    def device(self) -> Optional[torch.device]:
+        """Device of the persistent buffers, or None when not allocated."""
+        return None if self._buffers is None else self._buffers.offsets.device
+
+    def _buffer(self, name: str) -> Optional[Tensor]:
+        return None if self._buffers is None else getattr(self._buffers, name)
+
+    def __repr__(self) -> str:
+        state = "disabled" if not self.enabled else (
+            "unallocated" if self._buffers is None else
+            f"{'mirror' if self.mirror else 'direct'} on {self.device}")
+        return (f"MTPMetadata({state}, max_requests={self.max_requests}, "
+                f"max_kv_block_count={self.max_kv_block_count}, block_size_tokens="
+                f"{self.block_size_tokens}, forward_mode={self.forward_mode.name})")
+
+    def _init_state(self) -> None:
+        """The private attributes of an object that holds no allocation."""
+        # [3] int64: [valid, req_id, position]; the carry survives row moves (keyed by id).
+        self._carry_state = np.array([0, -1, -1], dtype=np.int64)
+        self._buffers = self._backend = self._geometry = self._memo = None
+        self._active_lengths = None  # (query_lengths[:n], kv_lengths[:n]) in DRAFT
+        self._decode_record: Optional[ForwardRecord] = None  # a draft loop's record
+
+    def _allocation(self, device: torch.device, mirror: bool, max_tokens: int,
+                    staging_slots: int) -> Tuple[PersistentBuffers, Backend, Geometry]:
+        """New buffers on ``device``, their backend (mirror or direct) and geometry,
+        under the device runtime in effect now (``mtpmeta.runtime``)."""
+        runtime = get_runtime()
+        buffers = PersistentBuffers.allocate(
+            max_requests=self.max_requests, max_kv_block_count=self.max_kv_block_count,
+            dummy_block_idx=self.dummy_block_idx, block_table_dtype=self.block_table_dtype,
+            hidden_size=self.hidden_size, hidden_dtype=self.hidden_dtype, device=device,
+            runtime=runtime)
+        if mirror:
+            from .mirror import MirrorBackend
+
+            backend = MirrorBackend(buffers, max_requests=self.max_requests,
+                                    block_size=self.block_size_tokens,
+                                    dummy=self.dummy_block_idx, max_tokens=max_tokens,
+                                    num_slots=staging_slots, runtime=runtime)
+        else:
+            backend = DirectBackend(buffers, max_requests=self.max_requests,
+                                    block_size=self.block_size_tokens,
+                                    dummy=self.dummy_block_idx)
+        return buffers, backend, Geometry(
+            self.max_requests, self.max_kv_block_count, self.block_size_tokens,
+            self.dummy_block_idx, self.hidden_size, self.hidden_dtype,
+            buffers.offsets.device, bool(mirror))
+
+    def _install(self, buffers: Optional[PersistentBuffers], backend: Optional[Backend],
+                 geometry: Optional[Geometry]) -> None:
+        """Swap in an allocation (or none), with no draft loop, forward or carry.
+        Fresh buffers hold no draft loop: a re-allocate mid-forward must not leave
+        DRAFT pointing at views of the dropped buffers (upstream's would)."""
+        self._buffers, self._backend, self._geometry = buffers, backend, geometry
+        self._memo = None if buffers is None else ForwardMemo(buffers, geometry)
+        self.active_offsets = self.active_block_table = self._active_lengths = None
+        self.last_forward = None
+        self.forward_mode = MTPForwardMode.NONE
+        self.invalidate_chunk_boundary()
+
+    def _require(self, method: str) -> Any:
+        """The backend, or a clear error: disabled object, or not allocated."""
+        backend = self._backend
+        if backend is None:
+            if not self.enabled:
+                raise MTPDisabledError(f"{method}: this MTPMetadata was built with "
+                                       "enabled=False and holds no buffers")
+            raise NotAllocatedError(f"{method}: buffers are not allocated; call "
+                                    "allocate(device) first")
+        return backend
+
+    def _row_scratch(self, size: int) -> np.ndarray:
+        scratch = self._buffers.row_scratch
+        return scratch if size <= len(scratch) else np.empty(size, dtype=np.int32)
+
+    def _enter_decode(self, active_request_count: int, padded_count: int,
+                      graphed: bool) -> None:
+        """Enter DRAFT mode and refresh the active views (views of fixed buffers)."""
+        self._require("_enter_decode")
+        count, padded = check_decode_counts(self._geometry, active_request_count,
+                                            padded_count)
+        self._enter_checked(count, padded, graphed)
+
+    def _enter_checked(self, count: int, padded: int, graphed: bool) -> None:
+        """``_enter_decode`` for counts the caller already validated."""
+        views = self._memo.active.get(count)
+        if views is None:  # views of the fixed buffers, built once per count
+            views = self._memo.add_active(count)
+        self.active_request_count = count
+        self.padded_count = padded
+        self.active_offsets, self.active_block_table, self._active_lengths = views
+        self.graphed = bool(graphed)
+        self.forward_mode = MTPForwardMode.DRAFT
+        self._decode_record = None  # a new draft loop: its first depth makes a record
+
+    def _require_draft_views(self, method: str) -> Any:
+        backend = self._require(method)
+        if self.active_offsets is None:
+            raise ForwardModeError(f"{method}: no draft loop is staged; call begin_decode "
+                                   "first")
+        return backend
+
+    def _target(self, gpu_view: Any) -> ViewTarget:
+        """``gpu_view`` resolved for the backends (``mtpmeta.floor`` reads it too)."""
+        return self._memo.target(gpu_view)
+
+
+def install_debug_checks_from_env(cls: type) -> None:
+    """Only when MTPMETA_DEBUG=1 at import are the public methods of ``cls`` wrapped so
+    each call is followed by check_invariants. With the variable unset this costs
+    nothing: no wrapper, and mtpmeta.invariants is imported on first use only."""
+    import os
+
+    if os.environ.get("MTPMETA_DEBUG") == "1":
+        from .invariants import install_debug_checks
+
+        install_debug_checks(cls)
