@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from .errors import InvalidDtypeError
+from .cache import BoundedCache
 from .layout import PackedLayout, record_type
 
 __all__ = ["ContextGPUView", "ViewField", "VIEW_FIELDS", "ViewFields", "kernel_args",
@@ -219,7 +220,7 @@ class ViewTarget:
         self.token_arrays: Optional[Tuple[np.ndarray, ...]] = None
         self.request_arrays: Optional[Tuple[np.ndarray, ...]] = None
         # Copy plans of the mirror path built against this view (views, never data).
-        self.plans: Dict[Any, Any] = {}
+        self.plans = BoundedCache(4096)
         if self.device.type == "cpu":
             self.arrays = ViewFields(**{name: t.numpy() for name, t in tensors.items()})
             self.token_arrays, self.request_arrays = kernel_args(self.arrays)

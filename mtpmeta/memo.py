@@ -10,11 +10,12 @@ kernels that follow (a frozen dataclass alone costs about 1 µs).
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 from torch import Tensor
 
 from .buffers import PersistentBuffers
+from .cache import BoundedCache
 from .checks import Geometry, check_view_device
 from .gpu_view import ViewCache, ViewTarget
 from .types import ForwardShape
@@ -39,9 +40,9 @@ class ForwardMemo:
         # The last resolved view: (weakref to it, its target). It skips the cache's
         # lookup, its weakref and bound-method setup.
         self._last_view: Optional[Tuple[Any, ViewTarget]] = None
-        self._shapes: Dict[Tuple[Any, ...], ForwardShape] = {}
-        self._prefill: Dict[int, Tensor] = {}
-        self.active: Dict[int, ActiveViews] = {}  # by n; ``add_active`` fills it
+        self._shapes = BoundedCache(_MAX_SHAPES)  # ForwardShape by its fields
+        self._prefill = BoundedCache(_MAX_SHAPES)  # query_lengths[:m] by m
+        self.active = BoundedCache(_MAX_SHAPES)  # ActiveViews by n; ``add_active`` fills it
 
     def target(self, gpu_view: Any) -> ViewTarget:
         """``gpu_view`` resolved (and checked to sit on the buffers' device)."""
@@ -62,10 +63,8 @@ class ForwardMemo:
         """``ForwardShape(*fields)``, built once per distinct shape."""
         shape = self._shapes.get(fields)
         if shape is None:
-            if len(self._shapes) > _MAX_SHAPES:
-                self._shapes.clear()
             shape = ForwardShape(*fields)
-            self._shapes[fields] = shape
+            self._shapes.put(fields, shape)
         return shape
 
     def prefill_view(self, length: int) -> Tensor:
@@ -73,7 +72,7 @@ class ForwardMemo:
         view = self._prefill.get(length)
         if view is None:
             view = self._buffers.query_lengths[:length]
-            self._prefill[length] = view
+            self._prefill.put(length, view)
         return view
 
     def add_active(self, count: int) -> ActiveViews:
@@ -81,5 +80,5 @@ class ForwardMemo:
         buffers = self._buffers
         views = (buffers.offsets[:count], buffers.block_table[:count],
                  (buffers.query_lengths[:count], buffers.kv_lengths[:count]))
-        self.active[count] = views
+        self.active.put(count, views)
         return views

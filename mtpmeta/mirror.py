@@ -45,7 +45,8 @@ from .inputs import kernel_optional
 from .layout import PackedLayout, numpy_dtype
 from .mirror_device import DeviceRoute
 from .runtime import DeviceRuntime, get_runtime
-from .staging import BoundedCache, StagingRing, grouped
+from .cache import BoundedCache
+from .staging import StagingRing, grouped
 
 __all__ = ["MirrorBackend"]
 
@@ -69,14 +70,6 @@ def _pair_copies(dst_a: Tensor, dst_b: Tensor, src_a: Tensor, src_b: Tensor,
     if dst is not None and src is not None:
         return [(dst, src)]
     return [(dst_a[:length], src_a[:length]), (dst_b[:length], src_b[:length])]
-
-
-def _cached(plans: dict, key, build):
-    value = plans.get(key)
-    if value is None:
-        value = build()
-        plans[key] = value
-    return value
 
 
 class MirrorBackend:
@@ -162,7 +155,7 @@ class MirrorBackend:
         self._generation += 1
 
     def _prefix(self, name, tensor: Tensor, start: int, stop: int) -> Tensor:
-        return self._slices.get((name, start, stop), lambda: tensor[start:stop])
+        return self._slices.get_or_build((name, start, stop), lambda: tensor[start:stop])
 
     def _shadow(self, target: ViewTarget, tokens: int, requests: Optional[int]):
         """Acquire a forward slot; return ``(slot, layout, token_args, request_args)``,
@@ -174,7 +167,7 @@ class MirrorBackend:
             dtypes = ViewFields(*(tensor.dtype for tensor in target.fields))
             layout = PackedLayout.build(view_entries(requests, tokens, target.width, dtypes),
                                         align=_ALIGN)
-            plans[key] = layout
+            plans.put(key, layout)
         if layout.nbytes > self._forward_ring.slot_bytes:
             self._grow(layout.nbytes)
         slot = self._forward_ring.acquire()
@@ -182,7 +175,7 @@ class MirrorBackend:
         args = plans.get(args_key)
         if args is None:
             args = kernel_args(layout.arrays(self._forward_ring.host_np[slot]))
-            plans[args_key] = args
+            plans.put(args_key, args)
         return slot, layout, args[0], args[1]
 
     def _flush(self, target: ViewTarget, slot: int, layout: PackedLayout, tokens: int,
@@ -198,15 +191,13 @@ class MirrorBackend:
         cached on the view in parts keyed by the one size each depends on.
         """
         plans = target.plans
-        if len(plans) > 4096:  # bound the cache on workloads of ever-new shapes
-            plans.clear()
         ring = self._forward_ring
         generation = self._generation
         nbytes = layout.nbytes
-        dst, src = _cached(plans, ("h2d", generation, slot, nbytes), lambda: (
+        dst, src = plans.get_or_build(("h2d", generation, slot, nbytes), lambda: (
             ring.device_slots[slot][:nbytes], ring.slots[slot][:nbytes]))
         dst.copy_(src, non_blocking=True)
-        staged = _cached(plans, ("staged", generation, slot, layout),
+        staged = plans.get_or_build(("staged", generation, slot, layout),
                          lambda: layout.tensors(ring.device_slots[slot]))
         view = target.fields
         buffers = self.buffers
@@ -247,19 +238,19 @@ class MirrorBackend:
                     + [(view.mha_block_table[:requests], staged.mha_block_table)])
 
         parts = [
-            _cached(plans, ("tokens", generation, slot, layout, tokens, real_tokens),
+            plans.get_or_build(("tokens", generation, slot, layout, tokens, real_tokens),
                     token_copies),
-            _cached(plans, ("requests", generation, slot, layout, requests), request_copies),
+            plans.get_or_build(("requests", generation, slot, layout, requests), request_copies),
         ]
         if to_lengths == "pair":
-            parts.append(_cached(
-                plans, ("pair", generation, slot, layout, lengths_count),
+            parts.append(plans.get_or_build(
+                ("pair", generation, slot, layout, lengths_count),
                 lambda: _pair_copies(buffers.query_lengths, buffers.kv_lengths,
                                      staged.mha_query_lengths, staged.mha_kv_seq_lengths,
                                      lengths_count)))
         elif to_lengths == "query" and lengths_count:
-            parts.append(_cached(
-                plans, ("query", generation, slot, layout, lengths_count),
+            parts.append(plans.get_or_build(
+                ("query", generation, slot, layout, lengths_count),
                 lambda: [(buffers.query_lengths[:lengths_count],
                           staged.mha_query_lengths[:lengths_count])]))
         for part in parts:

@@ -75,7 +75,7 @@ class DeviceRoute:
         v = target.plans.get(key)
         if v is None:
             v = self._decode_views(target, count, padded)
-            target.plans[key] = v
+            target.plans.put(key, v)
         f = v.fields
         torch.floor_divide(v.offsets, self.block_size, out=v.columns)
         torch.lt(v.offsets, 0, out=v.outside)

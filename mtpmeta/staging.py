@@ -16,13 +16,13 @@ the fence is a no-op; the CUDA-semantics simulator of the tests gives it real me
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
 from .runtime import DeviceRuntime, get_runtime
 
-__all__ = ["StagingRing", "BoundedCache", "grouped"]
+__all__ = ["StagingRing", "grouped"]
 
 _ALIGN = 8
 
@@ -67,26 +67,6 @@ class StagingRing:
 
     def release(self, slot: int) -> None:
         self.fences[slot].record()
-
-
-class BoundedCache:
-    """A small insertion-ordered cache of derived views (never of data)."""
-
-    def __init__(self, capacity: int = 64) -> None:
-        self._capacity = capacity
-        self._entries: Dict[Hashable, Any] = {}
-
-    def get(self, key: Hashable, build: Callable[[], Any]) -> Any:
-        value = self._entries.get(key)
-        if value is None:
-            if len(self._entries) >= self._capacity:
-                self._entries.pop(next(iter(self._entries)))
-            value = build()
-            self._entries[key] = value
-        return value
-
-    def clear(self) -> None:
-        self._entries.clear()
 
 
 def grouped(parts: Sequence[torch.Tensor], length: int) -> Optional[torch.Tensor]:

@@ -59,10 +59,10 @@ def test_no_code_indexes_view_fields_by_position():
     assert offenders == []
 
 
-def test_layout_docstring_examples_hold():
+@pytest.mark.parametrize("module", ["mtpmeta.layout", "mtpmeta.cache"])
+def test_docstring_examples_hold(module):
     import doctest
+    import importlib
 
-    import mtpmeta.layout
-
-    result = doctest.testmod(mtpmeta.layout)
+    result = doctest.testmod(importlib.import_module(module))
     assert result.attempted >= 1 and result.failed == 0
