@@ -205,16 +205,27 @@ def check_view_device(geo: Geometry, target: ViewTarget) -> None:  # every write
                          f"allocated on {geo.device}")
 
 
+def check_padded(value: Any, name: str, count: int, what: str, *,
+                 high: Optional[int] = None, high_name: str = "") -> int:
+    """``value`` as a count in ``[count, high]``: padding never below what it pads.
+
+    ``what`` names the count in the message, e.g. ``"number of tokens {count}"``.
+    """
+    padded = as_count(value, name, high=high, high_name=high_name)
+    if padded < count:
+        raise ValueError(f"{name}: {padded} < " + what.format(count=count))
+    return padded
+
+
 # ------------------------------------------------------------------ draft loop
 def check_decode_counts(geo: Geometry, active_request_count: Any,
                         padded_count: Any) -> Tuple[int, int]:
     """``(n, p)`` with ``0 <= n <= p <= max_requests``."""
     count = as_count(active_request_count, "active_request_count",
                      high=geo.max_requests, high_name="max_requests")
-    padded = as_count(padded_count, "padded_count", high=geo.max_requests,
-                      high_name="max_requests")
-    if padded < count:
-        raise ValueError(f"padded_count: {padded} < active_request_count {count}")
+    padded = check_padded(padded_count, "padded_count", count,
+                          "active_request_count {count}", high=geo.max_requests,
+                          high_name="max_requests")
     return count, padded
 
 
@@ -222,13 +233,8 @@ def check_begin_decode(geo: Geometry, active_request_count: Any, padded_count: A
                        start_positions: Any, block_table_src: Any) -> DecodeInputs:
     """``begin_decode``'s inputs. Host start positions are range-checked by the copy
     kernel (``raise_position_error`` decodes its refusal). The counts are checked as
-    in ``check_decode_counts``, inline: this runs once per draft loop."""
-    count = as_count(active_request_count, "active_request_count",
-                     high=geo.max_requests, high_name="max_requests")
-    padded = as_count(padded_count, "padded_count", high=geo.max_requests,
-                      high_name="max_requests")
-    if padded < count:
-        raise ValueError(f"padded_count: {padded} < active_request_count {count}")
+    in ``check_decode_counts``."""
+    count, padded = check_decode_counts(geo, active_request_count, padded_count)
     if geo.mirror and (is_device_tensor(start_positions)
                        or is_device_tensor(block_table_src)):
         check_device_tensors(geo.device, (("start_positions", start_positions, 1),
@@ -302,20 +308,15 @@ def check_commit_inputs(geo: Geometry, target: ViewTarget, append_counts: Any,
     if total > target.max_tokens:
         raise ValueError(f"append_counts: {total} tokens > max_tokens "
                          f"{target.max_tokens} of gpu_view")
-    padded_tokens = total if padded_token_count is None else as_count(
-        padded_token_count, "padded_token_count", high=target.max_tokens,
-        high_name="gpu_view max_tokens")
-    if padded_tokens < total:
-        raise ValueError(f"padded_token_count: {padded_tokens} < total append_counts "
-                         f"{total}")
+    padded_tokens = total if padded_token_count is None else check_padded(
+        padded_token_count, "padded_token_count", total, "total append_counts {count}",
+        high=target.max_tokens, high_name="gpu_view max_tokens")
     pad = padded_tokens - total
     staged = num_prefill + 1 if pad > 0 and num_prefill < geo.max_requests \
         else num_prefill
-    min_padded = num_prefill if padded_request_count is None else as_count(
-        padded_request_count, "padded_request_count")
-    if min_padded < num_prefill:
-        raise ValueError(f"padded_request_count: {min_padded} < number of requests "
-                         f"{num_prefill} (append_counts)")
+    min_padded = num_prefill if padded_request_count is None else check_padded(
+        padded_request_count, "padded_request_count", num_prefill,
+        "number of requests {count} (append_counts)")
     padded_requests = max(min_padded, staged)
     _check_view_capacity(target, requests=padded_requests)
     return (counts, starts, table, inherited, total, padded_tokens, pad, min_padded,
@@ -418,10 +419,9 @@ def check_mha_inputs(geo: Geometry, target: ViewTarget, query_lengths: Any,
     if count > target.max_requests:
         raise ValueError(f"query_lengths: {count} requests > max_requests "
                          f"{target.max_requests} of gpu_view")
-    padded = as_count(padded_request_count, "padded_request_count",
-                      high=target.max_requests, high_name="gpu_view max_requests")
-    if padded < count:
-        raise ValueError(f"padded_request_count: {padded} < number of requests {count}")
+    padded = check_padded(padded_request_count, "padded_request_count", count,
+                          "number of requests {count}", high=target.max_requests,
+                          high_name="gpu_view max_requests")
     return q, kv, table, count, padded, on_device
 
 
@@ -457,8 +457,6 @@ def _padded_tokens(target: ViewTarget, padded_token_count: Any, count: int) -> i
     if count > target.max_tokens:
         raise ValueError(f"positions: {count} tokens > max_tokens {target.max_tokens} "
                          "of gpu_view")
-    padded = as_count(padded_token_count, "padded_token_count", high=target.max_tokens,
-                      high_name="gpu_view max_tokens")
-    if padded < count:
-        raise ValueError(f"padded_token_count: {padded} < number of tokens {count}")
-    return padded
+    return check_padded(padded_token_count, "padded_token_count", count,
+                        "number of tokens {count}", high=target.max_tokens,
+                        high_name="gpu_view max_tokens")
