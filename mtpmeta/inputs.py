@@ -117,22 +117,25 @@ def _as_fast_ints(array: np.ndarray, name: str) -> np.ndarray:
     return array
 
 
+def _host_view(value: Any) -> Optional[np.ndarray]:
+    """The numpy view of an exact ``torch.Tensor`` in host memory or an ``ndarray`` as
+    it is; None for anything else (a device or meta tensor, a sequence, a scalar)."""
+    kind = type(value)
+    if kind is _Tensor:
+        try:
+            return value.numpy()
+        except _NO_VIEW:
+            return None
+    return value if kind is _ndarray else None
+
+
 def as_host_ints(value: Any, name: str, *, ndim: int = 1) -> np.ndarray:
     """A C-contiguous int32/int64 numpy array of ``ndim`` dims (no copy when possible).
 
     Accepts numpy arrays, CPU or device torch tensors (a device tensor costs a sync, so
     callers route those to device ops instead), and Python sequences.
     """
-    kind = type(value)
-    if kind is _Tensor:
-        try:
-            array = value.numpy()
-        except _NO_VIEW:
-            array = None
-    elif kind is _ndarray:
-        array = value
-    else:
-        array = None
+    array = _host_view(value)
     if array is not None:
         dtype = array.dtype
         if (dtype is _INT64 or dtype is _INT32) and array.ndim == ndim and \
@@ -173,18 +176,9 @@ def as_row_indices(value: Any, num_rows: int, name: str) -> RowIndex:
     that kernel writes anything (``raise_row_out_of_range`` turns its answer into the
     IndexError).
     """
-    kind = type(value)
-    if kind is _Tensor:
-        try:
-            array = value.numpy()
-        except _NO_VIEW:
-            array = None
-    elif kind is _ndarray:
-        array = value
-    elif kind is slice:
+    if type(value) is slice:
         return value
-    else:
-        array = None
+    array = _host_view(value)
     if array is not None:
         dtype = array.dtype
         if (dtype is _INT64 or dtype is _INT32) and array.ndim == 1 and \
