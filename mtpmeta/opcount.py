@@ -8,7 +8,7 @@ commit-pass staging make no host-device sync and allocate nothing.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Dict, Iterable, List
+from typing import Any, Iterable, List
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -76,7 +76,3 @@ class OpCounter(TorchDispatchMode):
     def data_ops(self) -> int:
         """Ops that read or write tensor data: ``total`` less ``view_ops``."""
         return self.total - self.view_ops
-
-    def summary(self) -> Dict[str, Any]:
-        return {"ops": self.total, "data_ops": self.data_ops,
-                "scalar_reads": self.scalar_reads, "new_storages": self.new_storages}
