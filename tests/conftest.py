@@ -1,6 +1,8 @@
 import numpy as np
 import pytest
+import torch
 
+import mtpmeta.checks as checks_module
 from tests.helpers import PATHS
 
 
@@ -13,3 +15,10 @@ def rng():
 def path(request):
     """Both the direct path and the (CPU-forced) mirror path."""
     return request.param
+
+
+@pytest.fixture
+def device_route(monkeypatch):
+    """Treat every torch tensor as a device tensor inside MTPMetadata's routing."""
+    monkeypatch.setattr(checks_module, "is_device_tensor",
+                        lambda value: isinstance(value, torch.Tensor))

@@ -13,16 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import mtpmeta.checks as checks_module
 from tests.helpers import (assert_buffers_equal, assert_views_equal, make_metadata,
                            make_reference, make_views)
-
-
-@pytest.fixture
-def device_route(monkeypatch):
-    """Treat every torch tensor as a device tensor inside MTPMetadata's routing."""
-    monkeypatch.setattr(checks_module, "is_device_tensor",
-                        lambda value: isinstance(value, torch.Tensor))
 
 
 def _pair():

@@ -17,7 +17,6 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import mtpmeta.checks as checks_module
 from mtpmeta import GraphCaptureError, MTPMetadata
 from mtpmeta.opcount import OpCounter
 from mtpmeta.runtime import CopyFence, TorchRuntime, use_runtime
@@ -262,13 +261,6 @@ def test_fences_record_on_the_stream_of_the_buffers_device():
     assert runtime.recorded_on, "the forward recorded its fence"
     assert set(runtime.asked) == {meta.device}
     assert set(runtime.recorded_on) == {("stream of", meta.device)}
-
-
-@pytest.fixture
-def device_route(monkeypatch):
-    """Treat every torch tensor as a device tensor inside MTPMetadata's routing."""
-    monkeypatch.setattr(checks_module, "is_device_tensor",
-                        lambda value: isinstance(value, torch.Tensor))
 
 
 @pytest.mark.skipif(os.environ.get("MTPMETA_DEBUG") == "1",
