@@ -177,7 +177,7 @@ class MetadataState:
         return backend
 
     def _target(self, gpu_view: Any) -> ViewTarget:
-        """``gpu_view`` resolved for the backends (``mtpmeta.floor`` reads it too)."""
+        """``gpu_view`` resolved for the backends (``mtpmeta.bench.floor`` reads it too)."""
         return self._memo.target(gpu_view)
 
 

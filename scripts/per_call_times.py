@@ -2,7 +2,7 @@
 
 Usage: python scripts/per_call_times.py [--impl direct|mirror] [--number N] [--repeats R]
 
-The cases are ``mtpmeta.percall``'s (the same ``mtpmeta bench`` prints for the direct
+The cases are ``mtpmeta.bench.percall``'s (the same ``mtpmeta bench`` prints for the direct
 path): each method called ``N`` times on the same inputs, numpy and torch interleaved,
 best of ``R``. Caches are warm, so the numbers are smaller than the step's share measured
 by ``python -m mtpmeta bench``; they show what the wrappers' input handling costs, not
@@ -15,8 +15,8 @@ import argparse
 
 import torch
 
-from mtpmeta.percall import format_input_cost, input_cost
-from mtpmeta.workload import StepConfig
+from mtpmeta.bench.percall import format_input_cost, input_cost
+from mtpmeta.bench.workload import StepConfig
 
 
 def main() -> None:

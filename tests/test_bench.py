@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from mtpmeta import bench, bench_measure, bench_variants
+from mtpmeta.bench import cli as bench, measure as bench_measure, variants as bench_variants
 from mtpmeta.__main__ import main as cli_main
 from mtpmeta.reference import ReferenceMTPMetadata
-from mtpmeta.workload import StepConfig, make_steps
+from mtpmeta.bench.workload import StepConfig, make_steps
 
 SMALL_FLAGS = ["--max-requests", "32", "--active", "16", "--block-columns", "16",
                "--block-size", "16", "--prefill-tokens", "32", "--depths", "2",
@@ -159,7 +159,7 @@ def test_kernel_floor_does_the_same_work_as_the_direct_path(tmp_path):
 def test_kernel_floor_that_skips_work_is_caught(monkeypatch, capsys):
     """A floor step that does less than the direct path (here: no TP pad rows in the
     commit pass) must fail the bench instead of reporting a bound."""
-    from mtpmeta import floor
+    from mtpmeta.bench import floor
 
     def without_padding(meta, view, inputs, config):
         values = {f.name: getattr(inputs, f.name) for f in fields(floor.FloorInputs)}

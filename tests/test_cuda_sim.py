@@ -25,7 +25,7 @@ import torch
 
 from mtpmeta import VIEW_FIELDS, ContextGPUView, MTPMetadata, errors
 from mtpmeta.reference import ReferenceGPUView, ReferenceMTPMetadata
-from mtpmeta.workload import StepConfig, make_steps, run_step
+from mtpmeta.bench.workload import StepConfig, make_steps, run_step
 from tests.cuda_sim import (DEVICE, PAGEABLE, PINNED, CaptureSyncError, CudaSim,
                             SimDeviceError, SimGraph)
 from tests.helpers import config

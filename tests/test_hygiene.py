@@ -1,6 +1,6 @@
 """Draft-loop and commit-pass hygiene on the mirror path (CPU-forced, always run).
 
-A ``TorchDispatchMode`` (``mtpmeta.opcount.OpCounter``) watches every aten op. The
+A ``TorchDispatchMode`` (``mtpmeta.bench.opcount.OpCounter``) watches every aten op. The
 failure stories: a ``.item()`` in the draft loop stalls the GPU pipeline every depth; a
 new tensor inside the loop breaks CUDA-graph replay (the graph reads a stale address);
 a moved buffer makes a captured graph write freed memory.
@@ -13,11 +13,11 @@ import os
 import pytest
 
 from mtpmeta import VIEW_FIELDS, ContextGPUView, MTPMetadata
-from mtpmeta.opcount import OpCounter
+from mtpmeta.bench.opcount import OpCounter
 from mtpmeta.reference import ReferenceGPUView, ReferenceMTPMetadata
 from dataclasses import replace
 
-from mtpmeta.workload import StepConfig, make_steps, run_commit, run_step
+from mtpmeta.bench.workload import StepConfig, make_steps, run_commit, run_step
 
 SMALL = StepConfig(max_requests=32, block_columns=16, block_size=16, active=24, depths=3,
                    prefill_tokens=40, inherited_blocks=2, moves=4, swaps=2, resets=4)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from mtpmeta import instructions
-from mtpmeta.workload import StepConfig
+from mtpmeta.bench import instructions
+from mtpmeta.bench.workload import StepConfig
 
 _TINY = """
 def work(n):

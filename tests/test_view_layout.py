@@ -14,7 +14,7 @@ import torch
 import mtpmeta.gpu_view as gpu_view
 from mtpmeta import ContextGPUView, MTPMetadata
 from mtpmeta.reference import ReferenceGPUView, ReferenceMTPMetadata
-from mtpmeta.workload import StepConfig, make_steps, run_step
+from mtpmeta.bench.workload import StepConfig, make_steps, run_step
 
 CONFIG = StepConfig(max_requests=16, block_columns=8, block_size=4, active=10,
                     prefill_tokens=12, inherited_blocks=1, moves=2, swaps=1, resets=2)

@@ -1,6 +1,6 @@
 """Chunk-boundary carry and take at the seam."""
 
-from mtpmeta.workload import run_carry
+from mtpmeta.bench.workload import run_carry
 
 from .common import StepFixture
 

@@ -1,6 +1,6 @@
 """The varlen commit pass (decode spans + one prefill chunk with inherited blocks)."""
 
-from mtpmeta.workload import run_commit
+from mtpmeta.bench.workload import run_commit
 
 from .common import StepFixture
 

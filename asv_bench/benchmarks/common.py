@@ -3,8 +3,8 @@ the library (direct and mirror paths) beside the pure-torch reference."""
 
 import torch
 
-from mtpmeta.bench_variants import build
-from mtpmeta.workload import StepConfig, make_steps
+from mtpmeta.bench.variants import build
+from mtpmeta.bench.workload import StepConfig, make_steps
 
 ACTIVE = [8, 64, 256]
 DEPTHS = [1, 3]
@@ -29,7 +29,7 @@ class StepFixture:
         self.config = config(active, depths)
         self.steps = make_steps(self.config, STEPS, seed=0)
         self.meta, self.view = build(impl, self.config, torch.device("cpu"))
-        from mtpmeta.workload import run_step
+        from mtpmeta.bench.workload import run_step
 
         for inputs in self.steps:
             run_step(self.meta, self.view, inputs, self.config)

@@ -1,6 +1,6 @@
 """The draft loop: begin_decode, depths x (setup_decode_step + advance), end_forward."""
 
-from mtpmeta.workload import run_draft
+from mtpmeta.bench.workload import run_draft
 
 from .common import StepFixture
 

@@ -4,7 +4,7 @@ peak memory of allocating at capacity."""
 import torch
 
 from mtpmeta import MTPMetadata
-from mtpmeta.workload import StepConfig
+from mtpmeta.bench.workload import StepConfig
 
 
 class ColdStart:
@@ -13,7 +13,7 @@ class ColdStart:
     def timeraw_import_and_first_step(self):
         return """
 from mtpmeta import MTPMetadata, ContextGPUView
-from mtpmeta.workload import StepConfig, make_steps, run_step
+from mtpmeta.bench.workload import StepConfig, make_steps, run_step
 config = StepConfig()
 meta = MTPMetadata(**config.metadata_kwargs())
 meta.allocate("cpu")

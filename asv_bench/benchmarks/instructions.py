@@ -1,4 +1,4 @@
-"""Instructions per standard step under valgrind's callgrind (``mtpmeta.instructions``):
+"""Instructions per standard step under valgrind's callgrind (``mtpmeta.bench.instructions``):
 ratios that stay put when the machine is busy, tracked across commits.
 
 One callgrind run (about 1-2 minutes, mostly importing torch uninstrumented) feeds every
@@ -6,8 +6,8 @@ One callgrind run (about 1-2 minutes, mostly importing torch uninstrumented) fee
 instrument hooks are missing.
 """
 
-from mtpmeta.instructions import count_step_instructions, unavailable
-from mtpmeta.workload import StepConfig
+from mtpmeta.bench.instructions import count_step_instructions, unavailable
+from mtpmeta.bench.workload import StepConfig
 
 
 class TrackInstructions:

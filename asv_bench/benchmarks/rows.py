@@ -1,6 +1,6 @@
 """Row lifecycle: the compaction moves, swaps and resets of STEPS standard steps."""
 
-from mtpmeta.workload import run_rows
+from mtpmeta.bench.workload import run_rows
 
 from .common import StepFixture
 

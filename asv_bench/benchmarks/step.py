@@ -2,7 +2,7 @@
 
 import torch
 
-from mtpmeta.workload import run_step
+from mtpmeta.bench.workload import run_step
 
 from .common import STEPS, StepFixture
 

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 from mtpmeta import VIEW_FIELDS, ContextGPUView, GraphCaptureError, MTPMetadata  # noqa: E402
 from mtpmeta.reference import ReferenceGPUView, ReferenceMTPMetadata  # noqa: E402
 from mtpmeta.runtime import TorchRuntime, use_runtime  # noqa: E402
-from mtpmeta.workload import StepConfig, make_steps, run_commit, run_step  # noqa: E402
+from mtpmeta.bench.workload import StepConfig, make_steps, run_commit, run_step  # noqa: E402
 
 CONFIG = StepConfig(max_requests=64, block_columns=32, block_size=16, active=48,
                     prefill_tokens=64, inherited_blocks=2, moves=8, swaps=2, resets=8)
@@ -276,7 +276,7 @@ def test_device_start_past_the_table_does_not_kill_the_context():
     script = textwrap.dedent(f"""
         import torch
         from mtpmeta import MTPMetadata, ContextGPUView
-        from mtpmeta.workload import StepConfig
+        from mtpmeta.bench.workload import StepConfig
         config = StepConfig(max_requests={R}, block_columns={W}, block_size={BS},
                             active=48, prefill_tokens=64, inherited_blocks=2)
         meta = MTPMetadata(**config.metadata_kwargs()); meta.allocate('cuda')

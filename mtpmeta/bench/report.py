@@ -1,6 +1,6 @@
 """What ``mtpmeta bench`` prints: the results table, this revision's targets, the plot.
 
-Inputs are :func:`mtpmeta.bench_measure.measure`'s results (keyed by variant label)
+Inputs are :func:`mtpmeta.bench.measure.measure`'s results (keyed by variant label)
 and kernel floors (µs per step); every speed-up is against the reference of the same
 draft mode, measured in the same run.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
-from .bench_variants import DRAFT_MODES, Variant
+from .variants import DRAFT_MODES, Variant
 from .workload import StepConfig
 
 __all__ = ["TARGETS", "table", "target_lines", "plot"]
@@ -95,7 +95,7 @@ def target_lines(results: Dict[str, Dict[str, Any]], floors: Dict[str, float],
 
 
 def plot(results: Dict[str, Dict[int, float]], path: str) -> None:
-    """Draw :func:`mtpmeta.bench_measure.sweep`'s µs per step over batch size to a PNG
+    """Draw :func:`mtpmeta.bench.measure.sweep`'s µs per step over batch size to a PNG
     at ``path`` (needs matplotlib)."""
     import matplotlib
 

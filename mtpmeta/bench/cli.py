@@ -1,6 +1,6 @@
 """``mtpmeta bench``: per-step host cost of the library against the pure-torch reference.
 
-Runs the standard step (``mtpmeta.workload``) through the paths a device has (CPU: the
+Runs the standard step (``mtpmeta.bench.workload``) through the paths a device has (CPU: the
 direct and the mirror path; CUDA: the mirror path) and the reference, with the seed's
 input types (torch tensors) and, for comparison, numpy arrays, each with an eager and
 a graphed draft loop. It first checks that every path leaves the reference's view
@@ -9,9 +9,9 @@ group, interleaved so a load change hits every row alike, counts torch ops, sync
 draft-loop allocations, and prints a table. Ratios are measured in the same run, side
 by side; absolute times only compare on the same machine.
 
-On the CPU it also times the kernel floor (``mtpmeta.floor``), the per-call cost of
-torch against numpy inputs (``mtpmeta.percall``) and, with ``--instructions``, counts
-instructions per step under callgrind (``mtpmeta.instructions``), a measure that does
+On the CPU it also times the kernel floor (``mtpmeta.bench.floor``), the per-call cost of
+torch against numpy inputs (``mtpmeta.bench.percall``) and, with ``--instructions``, counts
+instructions per step under callgrind (``mtpmeta.bench.instructions``), a measure that does
 not move with machine load.
 
 This module is the command line and the order of the sections; the rows and their
@@ -29,9 +29,9 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from .bench_measure import cold_start, measure, sweep
-from .bench_report import plot, table, target_lines
-from .bench_variants import check_identical, floor_matches, implementations
+from .measure import cold_start, measure, sweep
+from .report import plot, table, target_lines
+from .variants import check_identical, floor_matches, implementations
 from .workload import StepConfig, make_steps
 
 __all__ = ["main"]

@@ -1,6 +1,6 @@
 """The kernel floor of the standard step: the direct path's numba kernels alone.
 
-``floor_step`` does the numba work of one standard step (``mtpmeta.workload``) on a
+``floor_step`` does the numba work of one standard step (``mtpmeta.bench.workload``) on a
 direct-path ``MTPMetadata``, with the inputs converted to numpy beforehand and none of
 the public methods' validation, mode bookkeeping or shape building. It leaves the view
 and the buffers exactly as ``run_step`` does (the bench checks that before it times
@@ -19,8 +19,8 @@ from typing import Any, List
 import numpy as np
 import torch
 
-from . import native
-from .metadata import MTPMetadata
+from .. import native
+from ..metadata import MTPMetadata
 from .workload import StepConfig, StepInputs
 
 __all__ = ["FloorInputs", "TorchFloorInputs", "prepare", "floor_step"]

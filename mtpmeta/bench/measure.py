@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from . import floor
-from .bench_variants import Variant, build, implementations, inputs_of, variants
+from .variants import Variant, build, implementations, inputs_of, variants
 from .opcount import OpCounter
 from .workload import StepConfig, StepInputs, make_steps, run_step, run_step_groups
 
@@ -28,7 +28,7 @@ _COLD_START = """
 import time, sys
 t0 = time.perf_counter()
 from mtpmeta import MTPMetadata, ContextGPUView
-from mtpmeta.workload import StepConfig, make_steps, run_step
+from mtpmeta.bench.workload import StepConfig, make_steps, run_step
 config = StepConfig(**{config})
 inputs = make_steps(config, 1)[0]
 meta = MTPMetadata(**config.metadata_kwargs())

@@ -12,7 +12,7 @@ stop). The client requests come from pytest-codspeed's compiled instrument hooks
 
 Counted per standard step: the reference, the direct path (torch and numpy inputs),
 the mirror path and the kernel floor, eager and graphed; and per call, each case of
-``mtpmeta.percall`` with numpy and with torch inputs. Instruction counts weigh a
+``mtpmeta.bench.percall`` with numpy and with torch inputs. Instruction counts weigh a
 cache miss like an add, so they are a repeatable proxy for host cost, not a time.
 """
 
@@ -107,9 +107,9 @@ def step_regions(region: Callable[[str, Callable[[], None]], None], config_field
     import torch
 
     from . import floor
-    from .bench_variants import Variant, build
-    from .gpu_view import ContextGPUView
-    from .metadata import MTPMetadata
+    from .variants import Variant, build
+    from ..gpu_view import ContextGPUView
+    from ..metadata import MTPMetadata
     from .percall import _cases
     from .workload import StepConfig, make_steps, run_step
 
@@ -155,7 +155,7 @@ def count_step_instructions(config: Any, *, steps: int = 4, seed: int = 0,
                             calls: int = 50, timeout: float = 600) -> Dict[str, Any]:
     """Instructions per standard step of each variant and per call of each per-call
     case, counted in one callgrind run, with their ratios (see the module docstring)."""
-    body = ("import json\nfrom mtpmeta.instructions import step_regions\n"
+    body = ("import json\nfrom mtpmeta.bench.instructions import step_regions\n"
             f"step_regions(region, json.loads({json.dumps(json.dumps(asdict(config)))}), "
             f"{steps}, {seed}, {calls})\n")
     counts = callgrind_regions(body, timeout=timeout)

@@ -16,9 +16,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from . import floor
-from .gpu_view import VIEW_FIELDS, ContextGPUView
-from .metadata import MTPMetadata
-from .reference import ReferenceGPUView, ReferenceMTPMetadata
+from ..gpu_view import VIEW_FIELDS, ContextGPUView
+from ..metadata import MTPMetadata
+from ..reference import ReferenceGPUView, ReferenceMTPMetadata
 from .workload import StepConfig, StepInputs, run_step
 
 __all__ = ["IMPLEMENTATIONS", "INPUT_KINDS", "DRAFT_MODES", "Variant", "implementations",
@@ -113,7 +113,7 @@ def check_identical(config: StepConfig, steps: List[StepInputs],
 
 
 def floor_matches(config: StepConfig, steps: List[StepInputs]) -> bool:
-    """Whether the kernel floor (``mtpmeta.floor``) leaves the same view and buffers as
+    """Whether the kernel floor (``mtpmeta.bench.floor``) leaves the same view and buffers as
     the full direct path over ``steps``: only then is it a bound."""
     full, full_view = build("direct", config, torch.device("cpu"))
     bare, bare_view = build("direct", config, torch.device("cpu"))
