@@ -27,19 +27,22 @@ from torch import Tensor
 
 from . import native
 from .errors import ChunkCarryError, InvalidDtypeError
-from .gpu_view import ViewTarget
+from .gpu_view import ViewTarget, _int_range
 from .inputs import (INT32_LIMIT, INT64_MAX, as_count, as_host_counts, as_host_ints,
                      as_carry_source, as_optional_per_request, as_row_indices,
-                     check_device_tensors,
-                     is_device_tensor, is_int_dtype, raise_row_out_of_range)
+                     check_device_tensors, is_device_tensor, is_int_dtype,
+                     kernel_optional, raise_row_out_of_range)
 
 __all__ = ["Geometry", "TokenStatus", "CarryStatus", "check_config", "check_allocate",
            "check_row_pair", "raise_refused_row_pair", "check_carry", "check_take",
            "check_view_device", "check_decode_counts", "check_begin_decode",
            "check_decode_view", "raise_position_error", "check_prefill_lengths",
-           "check_commit_inputs", "check_token_inputs", "check_mha_inputs"]
+           "check_commit_inputs", "check_token_inputs", "check_mha_inputs",
+           "check_draft_blocks", "check_rows_fit", "check_inherited_range", "dtype_range"]
 
 _first_outside = native.checks.first_outside
+_first_outside_closed = native.checks.first_outside_closed
+_first_bad_draft_block = native.checks.first_bad_draft_block
 _check_take = native.carry.check_take
 
 # What a check returns (host arrays, or device tensors on the device-op route):
@@ -67,6 +70,8 @@ class Geometry:
     hidden_dtype: torch.dtype  # of the chunk carry
     device: torch.device  # of the persistent buffers
     mirror: bool  # device tensors take the device-op route
+    block_table_dtype: torch.dtype  # of the draft loop's block table
+    table_range: Tuple[int, int]  # [low, high] a block_table_dtype entry can hold
 
 
 @enum.unique
@@ -107,11 +112,18 @@ def check_config(max_requests: Any, max_kv_block_count: Any, block_size_tokens: 
                         ("block_size_tokens", block_size_tokens),
                         ("hidden_size", hidden_size)):
         as_count(value, name, low=1)
-    as_count(dummy_block_idx, "dummy_block_idx", low=-2**31)
+    dummy = as_count(dummy_block_idx, "dummy_block_idx", low=-INT64_MAX - 1)
+    if dummy < 0:
+        raise ValueError(f"dummy_block_idx: {dummy} < 0; pad tokens write the dummy "
+                         "block, so it must be a real scratch block index (>= 0)")
     if not isinstance(block_table_dtype, torch.dtype) or \
             not is_int_dtype(block_table_dtype):
         raise InvalidDtypeError(f"block_table_dtype: expected an integer torch "
                                 f"dtype, got {block_table_dtype!r}")
+    high = dtype_range(block_table_dtype)[1]
+    if dummy > high:
+        raise ValueError(f"dummy_block_idx: {dummy} does not fit block_table_dtype "
+                         f"{block_table_dtype} (max {high})")
     if not isinstance(hidden_dtype, torch.dtype) or not hidden_dtype.is_floating_point:
         raise InvalidDtypeError(f"hidden_dtype: expected a floating torch dtype, "
                                 f"got {hidden_dtype!r}")
@@ -125,6 +137,10 @@ def check_allocate(device: Any, mirror: Optional[bool], max_tokens: Any,
     except (RuntimeError, TypeError, ValueError) as error:
         raise ValueError(f"allocate: device {device!r} is not a torch device "
                          f"({error})") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"allocate: device {device} requested, but CUDA is not "
+                         "available on this machine (a CPU-only torch build or no GPU); "
+                         "use allocate('cpu')")
     if mirror is None:
         mirror = device.type != "cpu"
     elif not mirror and device.type != "cpu":
@@ -250,7 +266,34 @@ def check_begin_decode(geo: Geometry, active_request_count: Any, padded_count: A
     if table.shape[0] < count or table.shape[1] != geo.max_kv_block_count:
         raise ValueError(f"block_table_src: shape {tuple(table.shape)}, expected "
                          f"[>= {count}, max_kv_block_count {geo.max_kv_block_count}]")
+    if not on_device:
+        check_rows_fit(table, count, geo.table_range, "block_table_src",
+                       f"block_table_dtype {geo.block_table_dtype}")
     return count, padded, starts, table, on_device
+
+
+def check_draft_blocks(geo: Geometry, target: ViewTarget, offsets: np.ndarray,
+                       table: np.ndarray, count: int) -> None:
+    """One draft depth's blocks, on the host copy of the draft state (offsets int32
+    [R], table [R, W]): the block each real row writes is allocated (``>= 0``) and fits
+    ``token_to_block_idx``; when ``block_table_dtype`` holds more than the view's
+    ``mha_block_table``, every entry of the rows ``[:count]`` fits it too. Offsets
+    outside the table are left to the depth's own position check."""
+    row_low, row_high = target.table_block_range
+    low, high = geo.table_range
+    code, i = _first_bad_draft_block(offsets, table, count, geo.block_size_tokens,
+                                     target.token_block_range[1],
+                                     low < row_low or high > row_high, row_low, row_high)
+    if code == 1:
+        column = int(offsets[i]) // geo.block_size_tokens
+        _raise_written_block("block_table (the draft loop's, from begin_decode)",
+                             int(table[i, column]), i, column,
+                             f"draft row {i} (offset {int(offsets[i])})", target)
+    if code == 2:
+        check_rows_fit(table, count, target.table_block_range,
+                       "block_table (the draft loop's, from begin_decode)",
+                       f"gpu_view.mha_block_table dtype "
+                       f"{target.fields.mha_block_table.dtype}")
 
 
 def check_decode_view(geo: Geometry, target: ViewTarget, padded: int) -> None:
@@ -305,9 +348,21 @@ def check_commit_inputs(geo: Geometry, target: ViewTarget, append_counts: Any,
         geo.block_size_tokens)
     if code:
         _raise_commit_status(geo, code, culprit, counts, starts, columns)
+    if inherited is not None:
+        check_inherited_range(geo, inherited, num_prefill)
+    check_rows_fit(table, num_prefill, target.table_block_range, "block_table",
+                   f"gpu_view.mha_block_table dtype {target.fields.mha_block_table.dtype}")
+    r, column = native.checks.first_bad_commit_block(
+        counts, starts if starts is not None else counts, starts is not None, table,
+        *kernel_optional(inherited), geo.block_size_tokens, target.token_block_range[1])
+    if r >= 0:
+        start = 0 if starts is None else int(starts[r])
+        _raise_written_block("block_table", int(table[r, column]), r, column,
+                             f"request {r} (positions {start}..{start + int(counts[r]) - 1})",
+                             target)
     if total > target.max_tokens:
         raise ValueError(f"append_counts: {total} tokens > max_tokens "
-                         f"{target.max_tokens} of gpu_view")
+                         f"{target.max_tokens} of gpu_view{_shortest_token_field(target)}")
     padded_tokens = total if padded_token_count is None else check_padded(
         padded_token_count, "padded_token_count", total, "total append_counts {count}",
         high=target.max_tokens, high_name="gpu_view max_tokens")
@@ -369,6 +424,15 @@ def check_token_inputs(geo: Geometry, target: ViewTarget, rows: Any, positions: 
     if code:
         _raise_token_status(geo, code, t, rows_np, positions_np, table, inherited,
                             columns)
+    if inherited is not None:
+        check_inherited_range(geo, inherited, inherited.shape[0])
+    t = native.checks.first_bad_token_block(
+        rows_np, positions_np, table, *kernel_optional(inherited), geo.block_size_tokens,
+        target.token_block_range[1])
+    if t >= 0:
+        row, column = int(rows_np[t]), int(positions_np[t]) // geo.block_size_tokens
+        _raise_written_block("block_table", int(table[row, column]), row, column,
+                             f"token {t} (position {int(positions_np[t])})", target)
     return rows_np, positions_np, table, inherited, count, padded, False
 
 
@@ -411,6 +475,9 @@ def check_mha_inputs(geo: Geometry, target: ViewTarget, query_lengths: Any,
                          "(query_lengths)")
     _check_view_width(target, table.shape[1], "block_table width")
     if not on_device:
+        check_rows_fit(table, table.shape[0], target.table_block_range, "block_table",
+                       f"gpu_view.mha_block_table dtype "
+                       f"{target.fields.mha_block_table.dtype}")
         for name, lengths in (("query_lengths", q), ("kv_lengths", kv)):
             bad = _first_outside(lengths, 0, INT32_LIMIT)
             if bad >= 0:
@@ -418,11 +485,65 @@ def check_mha_inputs(geo: Geometry, target: ViewTarget, query_lengths: Any,
                 raise ValueError(f"{name}: {kind} {int(lengths[bad])} at index {bad}")
     if count > target.max_requests:
         raise ValueError(f"query_lengths: {count} requests > max_requests "
-                         f"{target.max_requests} of gpu_view")
+                         f"{target.max_requests} of gpu_view"
+                         f"{_shortest_request_field(target)}")
     padded = check_padded(padded_request_count, "padded_request_count", count,
                           "number of requests {count}", high=target.max_requests,
                           high_name="gpu_view max_requests")
     return q, kv, table, count, padded, on_device
+
+
+# ------------------------------------------------------------------- block ids
+def dtype_range(dtype: torch.dtype) -> Tuple[int, int]:
+    """``(low, high)``, both inclusive: the values an integer torch dtype holds."""
+    return _int_range(dtype)
+
+
+_HOLDS_ALL = {np.dtype(np.int32): (-2**31, 2**31 - 1), np.dtype(np.int64): (-2**63, 2**63 - 1)}
+
+
+def check_rows_fit(table: np.ndarray, rows: int, bounds: Tuple[int, int], name: str,
+                   what: str) -> None:
+    """Every entry of ``table[:rows]`` (C-contiguous int32/int64 [B, W]) lies in
+    ``bounds`` (what ``what``, a destination dtype, holds); a ValueError naming the
+    entry, its value and ``what`` otherwise. Free when the source dtype fits: an int32
+    table into an int32 or int64 destination is never scanned."""
+    low, high = bounds
+    source_low, source_high = _HOLDS_ALL[table.dtype]
+    if low <= source_low and source_high <= high:
+        return
+    flat = table[:rows].reshape(-1)
+    bad = _first_outside_closed(flat, low, high)
+    if bad >= 0:
+        row, column = divmod(bad, table.shape[1])
+        raise ValueError(f"{name}: block id {int(flat[bad])} at [{row}, {column}] does "
+                         f"not fit {what} (range [{low}, {high}]); it would wrap around "
+                         "into another block")
+
+
+def check_inherited_range(geo: Geometry, inherited: np.ndarray, count: int) -> None:
+    """``inherited[:count]`` lie in ``[0, W]``: a request inherits at most its whole
+    block table."""
+    width = geo.max_kv_block_count
+    bad = _first_outside(inherited[:count], 0, width + 1)
+    if bad >= 0:
+        raise ValueError(f"inherited_blocks: {int(inherited[bad])} at index {bad} "
+                         f"outside [0, max_kv_block_count {width}]")
+
+
+def _raise_written_block(name: str, block: int, row: int, column: int, writer: str,
+                         target: ViewTarget) -> None:
+    """The block at ``[row, column]`` that ``writer`` writes is negative or does not
+    fit ``token_to_block_idx``."""
+    if block < 0:
+        raise ValueError(f"{name}: block {block} at [{row}, {column}] is negative (an "
+                         f"unallocated block), but {writer} writes into it; allocate "
+                         "the block before the forward that writes it")
+    dtype = target.fields.token_to_block_idx.dtype
+    raise ValueError(f"{name}: block id {block} at [{row}, {column}], written by "
+                     f"{writer}, does not fit gpu_view.token_to_block_idx dtype {dtype} "
+                     f"(max {target.token_block_range[1]}); it would wrap around into "
+                     "another block")
 
 
 # --------------------------------------------------------------------- helpers
@@ -441,10 +562,11 @@ def _check_view_capacity(target: ViewTarget, *, tokens: int = 0,
                          requests: int = 0) -> None:
     if tokens > target.max_tokens:
         raise ValueError(f"padded token count {tokens} > max_tokens "
-                         f"{target.max_tokens} of gpu_view")
+                         f"{target.max_tokens} of gpu_view{_shortest_token_field(target)}")
     if requests > target.max_requests:
         raise ValueError(f"padded request count {requests} > max_requests "
-                         f"{target.max_requests} of gpu_view")
+                         f"{target.max_requests} of gpu_view"
+                         f"{_shortest_request_field(target)}")
 
 
 def _check_view_width(target: ViewTarget, width: int, name: str) -> None:
@@ -453,10 +575,40 @@ def _check_view_width(target: ViewTarget, width: int, name: str) -> None:
                          f"{target.width}")
 
 
+def _shortest_token_field(target: ViewTarget) -> str:
+    """`` (gpu_view.F holds N rows, fewer than the view's other token fields)`` when one
+    token field is shorter than the others (a field rebound to a short tensor), else
+    empty: the message then names the field to fix, not the forward's counts."""
+    lengths = {name: getattr(target.fields, name).shape[0] for name in _TOKEN_FIELDS}
+    if len(set(lengths.values())) == 1:
+        return ""
+    name = min(lengths, key=lengths.get)
+    return (f" (gpu_view.{name} holds {lengths[name]} rows, fewer than the other token "
+            "fields: was it replaced by a shorter tensor?)")
+
+
+def _shortest_request_field(target: ViewTarget) -> str:
+    """The same for the request fields (a cumulative field counts one row less)."""
+    lengths = {name: getattr(target.fields, name).shape[0] - name.startswith("mha_cu_")
+               for name in _REQUEST_FIELDS}
+    if len(set(lengths.values())) == 1:
+        return ""
+    name = min(lengths, key=lengths.get)
+    return (f" (gpu_view.{name} holds {lengths[name]} request rows, fewer than the "
+            "other request fields: was it replaced by a shorter tensor?)")
+
+
+_TOKEN_FIELDS = ("token_to_pos_ids", "token_to_block_idx",
+                 "token_to_local_position_within_kv_block", "token_to_request_idx",
+                 "token_to_position_in_request")
+_REQUEST_FIELDS = ("mha_query_lengths", "mha_kv_seq_lengths", "mha_cu_query_seq_lengths",
+                   "mha_cu_kv_seq_lengths", "mha_block_table")
+
+
 def _padded_tokens(target: ViewTarget, padded_token_count: Any, count: int) -> int:
     if count > target.max_tokens:
         raise ValueError(f"positions: {count} tokens > max_tokens {target.max_tokens} "
-                         "of gpu_view")
+                         f"of gpu_view{_shortest_token_field(target)}")
     return check_padded(padded_token_count, "padded_token_count", count,
                         "number of tokens {count}", high=target.max_tokens,
                         high_name="gpu_view max_tokens")

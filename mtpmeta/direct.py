@@ -33,6 +33,7 @@ class DirectBackend:
         self.host_offsets = buffers.offsets.numpy()  # [R] int32
         self.host_offsets_known = True
         self._block_table = buffers.block_table.numpy()  # [R, W]
+        self.host_block_table = self._block_table  # the same memory, as on the mirror
         self._query_lengths = buffers.query_lengths.numpy()  # [R] int32
         self._kv_lengths = buffers.kv_lengths.numpy()  # [R] int32
 

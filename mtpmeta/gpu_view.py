@@ -158,6 +158,8 @@ class ContextGPUView:
 
     @property
     def device(self) -> torch.device:
+        """The device every field lives on (that of the one ``buffer``); the writers
+        need it to equal the ``MTPMetadata``'s ``allocate`` device."""
         return self.buffer.device
 
     def fields(self) -> Dict[str, torch.Tensor]:
@@ -170,6 +172,11 @@ class ContextGPUView:
                 f"device={self.device})")
 
 
+def _int_range(dtype: torch.dtype) -> Tuple[int, int]:
+    info = torch.iinfo(dtype)
+    return int(info.min), int(info.max)
+
+
 class ViewTarget:
     """What the writers need from one destination view, checked once.
 
@@ -180,11 +187,13 @@ class ViewTarget:
     count one less), ``width`` the block-table width. ``plans`` caches the mirror
     path's per-shape copy plans against this view, so they die with it. ``generation``
     is the view's ``field_generation`` when it is exactly a ``ContextGPUView`` (else
-    None).
+    None). ``token_block_range`` / ``table_block_range``: the ``(low, high)`` block ids
+    ``token_to_block_idx`` / ``mha_block_table`` can hold.
     """
 
     __slots__ = ("fields", "arrays", "token_arrays", "request_arrays", "max_tokens",
-                 "max_requests", "width", "device", "plans", "generation", "__weakref__")
+                 "max_requests", "width", "device", "plans", "generation",
+                 "token_block_range", "table_block_range", "__weakref__")
 
     def __init__(self, gpu_view: Any) -> None:
         self.generation: Optional[int] = (gpu_view.field_generation
@@ -216,6 +225,10 @@ class ViewTarget:
             fields.mha_cu_query_seq_lengths.shape[0] - 1,
             fields.mha_cu_kv_seq_lengths.shape[0] - 1, fields.mha_block_table.shape[0])
         self.width = fields.mha_block_table.shape[1]
+        # (low, high), inclusive: the block ids token_to_block_idx / mha_block_table
+        # hold; the writers refuse a host block id outside them (it would wrap).
+        self.token_block_range = _int_range(fields.token_to_block_idx.dtype)
+        self.table_block_range = _int_range(fields.mha_block_table.dtype)
         self.arrays: Optional[Any] = None
         self.token_arrays: Optional[Tuple[np.ndarray, ...]] = None
         self.request_arrays: Optional[Tuple[np.ndarray, ...]] = None

@@ -19,6 +19,7 @@ from .errors import InvalidDtypeError
 
 __all__ = [
     "as_count",
+    "check_flag",
     "as_host_ints",
     "as_row_indices",
     "raise_row_out_of_range",
@@ -77,6 +78,17 @@ def as_count(value: Any, name: str, *, low: int = 0, high: int | None = None,
     if high is not None and count > high:
         raise ValueError(f"{name}: {count} > {high_name or 'limit'} {high}")
     return count
+
+
+def check_flag(value: Any, name: str) -> bool:
+    """``value`` as a bool; only ``bool`` and numpy bools are flags (``"no"`` would
+    read as True, ``2`` is no flag). Raises ``InvalidDtypeError`` (a TypeError)."""
+    if type(value) is bool:
+        return value
+    if isinstance(value, np.bool_):
+        return bool(value)
+    raise InvalidDtypeError(f"{name}: expected a bool (True or False), got {value!r} "
+                            f"({type(value).__name__})")
 
 
 def _numpy_of(value: Any, name: str) -> np.ndarray:

@@ -57,6 +57,7 @@ import torch
 
 from .buffers import BUFFER_NAMES
 from .errors import InvariantError
+from .gpu_view import ViewTarget
 from .types import ForwardRecord, MTPForwardMode
 
 __all__ = ["check_invariants", "install_debug_checks", "InvariantError"]
@@ -69,6 +70,8 @@ COMMIT_KINDS = ("commit", "tokens", "mha")
 
 # meta -> (record, _record_key, copy of record.inherited at the record's first check)
 _INHERITED_SEEN: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
+# meta -> the record whose device-route block_table was compared (at its first check)
+_TABLES_SEEN: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 
 
 def _fail(invariant: str, detail: str) -> None:
@@ -157,6 +160,26 @@ def _check_draft_offsets(meta: Any) -> None:
                                f"{limit}]")
 
 
+def _check_device_table_copy(meta: Any) -> None:
+    """A ``begin_decode`` given a device block table (not value-checked on the host):
+    at the first check after it, ``block_table[:n]`` must equal what it was given; an
+    id that ``block_table_dtype`` cannot hold differs (the copy wrapped it)."""
+    pending = getattr(meta, "_unchecked_table", None)
+    if pending is None or meta.block_table is None:
+        return
+    meta._unchecked_table = None  # compared once: the caller may reuse its tensor
+    source, count = pending
+    given = _host(source)[:count].astype(np.int64)
+    held = _host(meta.block_table)[:count].astype(np.int64)
+    bad = np.argwhere(given != held)
+    if bad.size:
+        i, c = (int(x) for x in bad[0])
+        _fail("block ids", f"block_table[{i}, {c}] = {int(held[i, c])}, but begin_decode "
+                           f"was given {int(given[i, c])}: an id block_table_dtype "
+                           f"{meta.block_table_dtype} cannot hold wrapped around into "
+                           f"another block (device inputs are not value-checked)")
+
+
 # ----------------------------------------------------------------------- view state
 _TOKEN_NAMES = ("token_to_block_idx", "token_to_local_position_within_kv_block",
                 "token_to_request_idx", "token_to_position_in_request")
@@ -198,10 +221,78 @@ def _check_token_rows(meta: Any, record: ForwardRecord, view: Any) -> None:
             _fail("padded token rows", f"token {t} (pad rows [{T}, {padded}) of "
                                        f"{_describe(record)}) has {name} {int(values[t])}, "
                                        f"expected {what}{value}")
+    _check_block_ids(meta, record, f, T, view.token_to_block_idx.dtype)
     if record.inherited is not None:
         _check_inherited(meta, record, f, T)
     elif record.kind == "decode" and T:
         _check_inherited(meta, record, f, T, draft_offset=_draft_offset(meta, T))
+
+
+def _check_block_ids(meta: Any, record: ForwardRecord, f: Dict[str, np.ndarray],
+                     T: int, view_dtype: torch.dtype) -> None:
+    """Real tokens write allocated blocks that are the ids they were given: no negative
+    id (an unallocated block, or an id wrapped into a narrower dtype); a draft depth's
+    token reads a block of the draft loop's ``block_table`` that the view's
+    ``token_to_block_idx`` dtype holds (else the view got a wrapped id); a device-route writer's
+    token holds the block of the table it was given (first check of the record)."""
+    blocks = f["token_to_block_idx"][:T]
+    negative = np.flatnonzero(blocks < 0)
+    if negative.size:
+        t = int(negative[0])
+        _fail("block ids", f"token {t} of {_describe(record)} has token_to_block_idx "
+                           f"{int(blocks[t])}: a negative block is unallocated (or an id "
+                           f"that wrapped around in a narrower dtype)")
+    rows = f["token_to_request_idx"][:T]
+    columns = f["token_to_position_in_request"][:T] // meta.block_size_tokens
+    if record.kind == "decode" and getattr(meta, "_decode_record", None) is record:
+        # The draft loop of this record is still the staged one: its table is the
+        # buffer (on the mirror path, the snapshot begin_decode staged).
+        _check_draft_ids_fit(meta, record, view_dtype, rows, columns)
+    source = record.block_table
+    if source is not None and _TABLES_SEEN.get(meta) is not record:
+        _TABLES_SEEN[meta] = record  # compared once: the caller may reuse its table
+        inherited = None if record.inherited is None else \
+            _host(record.inherited).astype(np.int64).reshape(-1)
+        _compare_blocks(record, blocks, rows, columns, _host(source).astype(np.int64),
+                        inherited, "the block_table it was given")
+
+
+def _check_draft_ids_fit(meta: Any, record: ForwardRecord, view_dtype: torch.dtype,
+                         rows: np.ndarray, columns: np.ndarray) -> None:
+    table = _host(meta.block_table).astype(np.int64)
+    inside = np.flatnonzero((rows >= 0) & (rows < table.shape[0]) & (columns >= 0) &
+                            (columns < table.shape[1]))
+    info = torch.iinfo(view_dtype)
+    values = table[rows[inside], columns[inside]]
+    bad = np.flatnonzero((values < info.min) | (values > info.max))
+    if bad.size:
+        t = int(inside[bad[0]])
+        _fail("block ids", f"token {t} of {_describe(record)} writes block "
+                           f"{int(values[bad[0]])} of the draft loop's block_table (at "
+                           f"[{int(rows[t])}, {int(columns[t])}]), which the view's "
+                           f"token_to_block_idx dtype {view_dtype} cannot hold: the view "
+                           f"holds a wrapped id, another block")
+
+
+def _compare_blocks(record: ForwardRecord, blocks: np.ndarray, rows: np.ndarray,
+                    columns: np.ndarray, table: np.ndarray,
+                    inherited: Optional[np.ndarray], what: str) -> None:
+    """Each real token not redirected by ``inherited`` holds ``table[row, column]``."""
+    inside = (rows >= 0) & (rows < table.shape[0]) & (columns >= 0) & \
+        (columns < table.shape[1])
+    if inherited is not None:
+        inside &= ~((rows < inherited.shape[0]) &
+                    (columns < inherited[np.clip(rows, 0, max(inherited.shape[0] - 1, 0))]))
+    tokens = np.flatnonzero(inside)
+    expected = table[rows[tokens], columns[tokens]]
+    bad = np.flatnonzero(blocks[tokens] != expected)
+    if bad.size:
+        t = int(tokens[bad[0]])
+        _fail("block ids", f"token {t} of {_describe(record)} has token_to_block_idx "
+                           f"{int(blocks[t])}, but {what} holds block "
+                           f"{int(expected[bad[0]])} at [{int(rows[t])}, "
+                           f"{int(columns[t])}]: the id wrapped around in the view's "
+                           f"dtype (or the table changed before this check)")
 
 
 def _record_key(record: ForwardRecord) -> tuple:
@@ -327,10 +418,13 @@ def check_invariants(meta: Any, gpu_view: Optional[Any] = None) -> None:
     ``AssertionError``, raised explicitly) naming the first broken invariant and the
     offending row, token or slot. May sync (it reads device buffers back).
     """
+    if gpu_view is not None:
+        ViewTarget(gpu_view)  # a ValueError naming the field for a non-view argument
     if not _check_forward_mode(meta):
         return
     _check_annotations(meta)
     _check_draft_offsets(meta)
+    _check_device_table_copy(meta)
     record = meta.last_forward
     if record is None:
         return

@@ -6,7 +6,7 @@ CUDA-graph-safe torch ops on the device).
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple, Union
+from typing import Any, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -15,17 +15,21 @@ from torch import Tensor
 from . import native
 from .checks import (check_allocate, check_begin_decode, check_carry,
                      check_commit_inputs, check_config, check_decode_counts,
-                     check_decode_view, check_mha_inputs, check_prefill_lengths,
-                     check_row_pair, check_take, check_token_inputs,
+                     check_decode_view, check_draft_blocks, check_mha_inputs,
+                     check_prefill_lengths, check_row_pair, check_take, check_token_inputs,
                      raise_position_error, raise_refused_row_pair)
 from .errors import CarryNotAllocatedError, ForwardModeError, MTPDisabledError
-from .inputs import as_row_indices, raise_row_out_of_range
+from .inputs import as_row_indices, check_flag, raise_row_out_of_range
 from .state import MetadataState, carry_setter, install_debug_checks_from_env
 from .types import ForwardRecord, ForwardShape, MTPForwardMode
 
 __all__ = ["MTPMetadata"]
 
-Indices = Union[slice, int, Tensor, np.ndarray, Any]
+# Row indices of the row-lifecycle methods: whatever torch indexing of an [R] tensor
+# takes. A slice, an int, a sequence of ints, a 1-D integer numpy array or tensor (a
+# device tensor is read back, one sync), or a boolean mask of length R. Ints lie in
+# [-R, R), as torch's.
+Indices = Union[slice, int, Sequence[int], np.ndarray, Tensor]
 _DRAFT = MTPForwardMode.DRAFT
 # Kernels the per-step methods call, bound once (a module attribute chain costs two
 # lookups per call on the hot path).
@@ -52,13 +56,43 @@ class MTPMetadata(MetadataState):
         block_table_dtype: integer dtype of the block tables (``gpu_view.mha_block_table``).
         hidden_size: model hidden size (the chunk carry holds ``[1, 1, hidden_size]``).
         hidden_dtype: dtype of the main model's hidden states.
+
+    ``enabled`` takes a bool (or a numpy bool) only. ``dummy_block_idx`` must be
+    ``>= 0`` and fit ``block_table_dtype``. The eight arguments are kept as attributes
+    of the same names.
+
+    Attributes:
+        forward_mode: ``MTPForwardMode`` (``NONE``/``DRAFT``/``COMMIT``); assignable
+            with an ``MTPForwardMode`` only.
+        graphed: bool, the ``graphed`` of the last ``begin_decode`` (True after
+            ``begin_decode_for_capture``).
+        active_request_count: ``n`` of the staged draft loop.
+        padded_count: the padded count of the staged draft loop (``>= n``).
+        active_offsets: ``offsets[:n]``, a view of the persistent buffer (None before
+            ``begin_decode``).
+        active_block_table: ``block_table[:n]``, a view (None before ``begin_decode``).
+        last_forward: ``ForwardRecord`` of the last view-writing call, read by
+            ``check_invariants`` (None before any).
+        draft_annotation_offset: int, default 0, read only by ``check_invariants``:
+            draft row ``i`` belongs to annotation row ``draft_annotation_offset + i``
+            (set it to the paused-row count when paused rows come first).
+        request_matched_prefix_blocks, offsets, block_table, query_lengths,
+            kv_lengths, row_ids, chunk_boundary_hidden: the persistent buffers
+            (read-only properties, None before ``allocate``).
+        chunk_boundary_valid, chunk_boundary_req_id, chunk_boundary_position: the
+            chunk carry's state.
+        mirror, device: the path and device ``allocate`` chose (None before it).
+
+    Indices: what the row-lifecycle methods take as row indices: a slice, an int, a
+    sequence of ints, a 1-D integer numpy array or tensor (a device tensor is read
+    back, one sync) or a boolean mask of length ``max_requests``; ints in ``[-R, R)``.
     """
 
     def __init__(self, enabled: bool, max_requests: int, max_kv_block_count: int,
                  block_size_tokens: int, dummy_block_idx: int,
                  block_table_dtype: torch.dtype, hidden_size: int,
                  hidden_dtype: torch.dtype) -> None:
-        self.enabled = bool(enabled)
+        self.enabled = check_flag(enabled, "enabled")
         if self.enabled:
             check_config(max_requests, max_kv_block_count, block_size_tokens,
                          dummy_block_idx, block_table_dtype, hidden_size, hidden_dtype)
@@ -70,7 +104,8 @@ class MTPMetadata(MetadataState):
         self.hidden_size = hidden_size
         self.hidden_dtype = hidden_dtype
 
-        self.forward_mode: MTPForwardMode = MTPForwardMode.NONE
+        self._forward_mode: MTPForwardMode = MTPForwardMode.NONE
+        self._inherited_copy: Optional[np.ndarray] = None
         self.graphed: bool = False
         self.active_request_count: int = 0
         self.padded_count: int = 0
@@ -245,13 +280,18 @@ class MTPMetadata(MetadataState):
         backend = self._backend
         if backend is None:
             backend = self._require("begin_decode")
+        if type(graphed) is not bool:
+            graphed = check_flag(graphed, "graphed")
         geometry = self._geometry
         count, padded, starts, table, on_device = check_begin_decode(
             geometry, active_request_count, padded_count, start_positions, block_table_src)
         if on_device:
             backend.begin_decode_device(count, starts, table)
+            self._unchecked_table = (table, count)  # for check_invariants only
         elif not backend.begin_decode(count, starts, table):  # bad start: nothing written
             raise_position_error(geometry, "start_positions", starts, count)
+        else:
+            self._unchecked_table = None
         self._enter_checked(count, padded, graphed)
 
     def begin_decode_for_capture(self, padded_count: int) -> None:
@@ -263,26 +303,29 @@ class MTPMetadata(MetadataState):
         backend = self._require("begin_decode_for_capture")
         _, padded = check_decode_counts(self._geometry, 0, padded_count)
         backend.begin_decode_for_capture(padded)
+        self._unchecked_table = None
         self._enter_checked(padded, padded, True)
 
     def advance_decode_step(self) -> None:
         """Advance every active request's write position by one, in place (device
         buffer and host copy alike)."""
         backend = self._backend
-        if backend is None or self.active_offsets is None:
+        if backend is None or self._forward_mode is not _DRAFT:
             backend = self._require_draft_views("advance_decode_step")
         backend.advance_decode_step(self.active_request_count)
 
     def end_forward(self) -> None:
         """Leave MTP-forward mode; nothing else changes."""
-        self.forward_mode = MTPForwardMode.NONE
+        self._forward_mode = MTPForwardMode.NONE
 
     def stage_decode_lengths(self) -> Tuple[Tensor, Tensor]:
         """Stage one draft depth's MHA lengths: query 1, KV ``active_offsets + 1``.
 
         Returns views of ``query_lengths[:n]`` and ``kv_lengths[:n]``.
         """
-        backend = self._require_draft_views("stage_decode_lengths")
+        backend = self._backend
+        if backend is None or self._forward_mode is not _DRAFT:
+            backend = self._require_draft_views("stage_decode_lengths")
         backend.stage_decode_lengths(self.active_request_count)
         return self._active_lengths
 
@@ -306,15 +349,18 @@ class MTPMetadata(MetadataState):
         backend = self._backend
         if backend is None or self.active_offsets is None:
             backend = self._require_draft_views("setup_decode_step")
-        if self.forward_mode is not _DRAFT:
+        if self._forward_mode is not _DRAFT:
             raise ForwardModeError(f"setup_decode_step: forward_mode is "
-                                   f"{self.forward_mode.name}, expected DRAFT (call "
+                                   f"{self._forward_mode.name}, expected DRAFT (call "
                                    "begin_decode first)")
         target = self._memo.target(gpu_view)
         count, padded = self.active_request_count, self.padded_count
         if padded > target.max_tokens or padded > target.max_requests or \
                 target.width != self.max_kv_block_count:  # the cheap per-depth check
             check_decode_view(self._geometry, target, padded)
+        if backend.host_offsets_known:  # device start positions: not checked (a sync)
+            check_draft_blocks(self._geometry, target, backend.host_offsets,
+                               backend.host_block_table, count)
         max_kv = backend.decode_step(target, count, padded, self.graphed)
         if max_kv < 0:  # the kernel found a bad offset and wrote nothing
             raise_position_error(self._geometry, "active_offsets", backend.host_offsets,
@@ -396,9 +442,10 @@ class MTPMetadata(MetadataState):
         staged, padded_requests, max_len = backend.commit_pass(
             target, counts, starts, table, inherited, padded_tokens, pad, min_padded,
             padded_requests)
-        self.forward_mode = MTPForwardMode.COMMIT
+        self._forward_mode = MTPForwardMode.COMMIT
         self.last_forward = ForwardRecord("commit", gpu_view, int(total), padded_tokens,
-                                          staged, padded_requests, inherited)
+                                          staged, padded_requests,
+                                          self._record_inherited(inherited))
         max_len = max(int(max_len), 1)  # upstream floors an empty forward at 1
         return self._memo.shape(int(total), padded_tokens, staged, padded_requests,
                                 max_len, max_len)
@@ -422,7 +469,9 @@ class MTPMetadata(MetadataState):
             inherited_blocks)
         (backend.write_token_maps_device if on_device else backend.write_token_maps)(
             target, rows, positions, table, inherited, padded)
-        self.last_forward = ForwardRecord("tokens", gpu_view, count, padded, 0, 0, inherited)
+        self.last_forward = ForwardRecord("tokens", gpu_view, count, padded, 0, 0,
+                                          self._record_inherited(inherited),
+                                          table if on_device else None)
 
     def write_mha_metadata(self, gpu_view: Any, query_lengths: Tensor, kv_lengths: Tensor,
                            block_table: Tensor, padded_request_count: int) -> None:

@@ -16,9 +16,10 @@ from torch import Tensor
 
 from .backend import Backend
 from .buffers import PersistentBuffers
-from .checks import Geometry, check_decode_counts
+from .checks import Geometry, check_decode_counts, dtype_range
 from .direct import DirectBackend
-from .errors import ForwardModeError, MTPDisabledError, NotAllocatedError
+from .errors import (ForwardModeError, InvalidDtypeError, MTPDisabledError,
+                     NotAllocatedError)
 from .gpu_view import ViewTarget
 from .memo import ForwardMemo
 from .runtime import get_runtime
@@ -45,7 +46,7 @@ class MetadataState:
     block_table_dtype: torch.dtype
     hidden_size: int
     hidden_dtype: torch.dtype
-    forward_mode: MTPForwardMode
+    _forward_mode: MTPForwardMode
     active_offsets: Optional[Tensor]
     active_block_table: Optional[Tensor]
     last_forward: Optional[ForwardRecord]
@@ -58,14 +59,30 @@ class MetadataState:
 
     # ----------------------------------------------------------------- properties
     @property
+    def forward_mode(self) -> MTPForwardMode:
+        """Which MTP forward owns the attention metadata: ``NONE``, ``DRAFT`` (set by
+        ``begin_decode``) or ``COMMIT`` (set by ``setup_commit_pass``). Assignable, as
+        upstream's field, but only with an ``MTPForwardMode`` (a string such as
+        ``"draft"`` raises ``InvalidDtypeError``, a ``TypeError``)."""
+        return self._forward_mode
+
+    @forward_mode.setter
+    def forward_mode(self, value: MTPForwardMode) -> None:
+        if type(value) is not MTPForwardMode:
+            raise InvalidDtypeError(f"forward_mode: expected an MTPForwardMode (NONE, "
+                                    f"DRAFT or COMMIT), got {value!r} "
+                                    f"({type(value).__name__})")
+        self._forward_mode = value
+
+    @property
     def forward_active(self) -> bool:
         """Whether any MTP forward currently owns the attention metadata."""
-        return self.forward_mode is not MTPForwardMode.NONE
+        return self._forward_mode is not MTPForwardMode.NONE
 
     @property
     def is_varlen_forward(self) -> bool:
         """Whether the current MTP forward has ragged per-request query lengths."""
-        return self.forward_mode is MTPForwardMode.COMMIT
+        return self._forward_mode is MTPForwardMode.COMMIT
 
     @property
     def mirror(self) -> Optional[bool]:
@@ -86,7 +103,7 @@ class MetadataState:
             f"{'mirror' if self.mirror else 'direct'} on {self.device}")
         return (f"MTPMetadata({state}, max_requests={self.max_requests}, "
                 f"max_kv_block_count={self.max_kv_block_count}, block_size_tokens="
-                f"{self.block_size_tokens}, forward_mode={self.forward_mode.name})")
+                f"{self.block_size_tokens}, forward_mode={self._forward_mode.name})")
 
     def _init_state(self) -> None:
         """The private attributes of an object that holds no allocation."""
@@ -95,6 +112,9 @@ class MetadataState:
         self._buffers = self._backend = self._geometry = self._memo = None
         self._active_lengths = None  # (query_lengths[:n], kv_lengths[:n]) in DRAFT
         self._decode_record: Optional[ForwardRecord] = None  # a draft loop's record
+        # (device block_table_src, n) of a device-route begin_decode, until the next
+        # check_invariants compares the buffer with it (ids are not checked on the host)
+        self._unchecked_table: Optional[Tuple[Tensor, int]] = None
 
     def _allocation(self, device: torch.device, mirror: bool, max_tokens: int,
                     staging_slots: int) -> Tuple[PersistentBuffers, Backend, Geometry]:
@@ -120,7 +140,8 @@ class MetadataState:
         return buffers, backend, Geometry(
             self.max_requests, self.max_kv_block_count, self.block_size_tokens,
             self.dummy_block_idx, self.hidden_size, self.hidden_dtype,
-            buffers.offsets.device, bool(mirror))
+            buffers.offsets.device, bool(mirror), self.block_table_dtype,
+            dtype_range(self.block_table_dtype))
 
     def _install(self, buffers: Optional[PersistentBuffers], backend: Optional[Backend],
                  geometry: Optional[Geometry]) -> None:
@@ -130,8 +151,10 @@ class MetadataState:
         self._buffers, self._backend, self._geometry = buffers, backend, geometry
         self._memo = None if buffers is None else ForwardMemo(buffers, geometry)
         self.active_offsets = self.active_block_table = self._active_lengths = None
-        self.last_forward = None
-        self.forward_mode = MTPForwardMode.NONE
+        self.last_forward = self._unchecked_table = None
+        self._forward_mode = MTPForwardMode.NONE
+        self._inherited_copy = None if buffers is None else np.zeros(
+            self.max_requests, dtype=np.int64)  # [R]: a commit pass's inherited counts
         self.invalidate_chunk_boundary()
 
     def _require(self, method: str) -> Any:
@@ -165,8 +188,8 @@ class MetadataState:
         self.active_request_count = count
         self.padded_count = padded
         self.active_offsets, self.active_block_table, self._active_lengths = views
-        self.graphed = bool(graphed)
-        self.forward_mode = MTPForwardMode.DRAFT
+        self.graphed = graphed
+        self._forward_mode = MTPForwardMode.DRAFT
         self._decode_record = None  # a new draft loop: its first depth makes a record
 
     def _require_draft_views(self, method: str) -> Any:
@@ -174,7 +197,29 @@ class MetadataState:
         if self.active_offsets is None:
             raise ForwardModeError(f"{method}: no draft loop is staged; call begin_decode "
                                    "first")
+        if self._forward_mode is not MTPForwardMode.DRAFT:
+            raise ForwardModeError(f"{method}: forward_mode is {self._forward_mode.name}, "
+                                   "expected DRAFT (the draft loop ended; call "
+                                   "begin_decode to start a new one)")
         return backend
+
+    def _record_inherited(self, inherited: Any) -> Any:
+        """A copy of a forward's inherited counts for ``check_invariants``, taken now:
+        the caller may change its array (the annotations) before the check. Host arrays
+        of at most ``R`` entries go into a preallocated ``[R]`` scratch (no allocation;
+        only the last forward's record reads it), longer ones and device tensors are
+        copied."""
+        if inherited is None:
+            return None
+        if isinstance(inherited, np.ndarray):
+            size = inherited.shape[0]
+            scratch = self._inherited_copy
+            if size <= scratch.shape[0]:
+                copy = scratch[:size]
+                copy[:] = inherited
+                return copy
+            return inherited.copy()
+        return inherited.clone()
 
     def _target(self, gpu_view: Any) -> ViewTarget:
         """``gpu_view`` resolved for the backends (``mtpmeta.bench.floor`` reads it too)."""

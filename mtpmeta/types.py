@@ -61,8 +61,9 @@ class ForwardRecord:
     ``kind`` is ``"decode"`` (setup_decode_step), ``"commit"`` (setup_commit_pass),
     ``"tokens"`` (write_token_maps) or ``"mha"`` (write_mha_metadata). Token/request
     counts not written by that call are 0. ``inherited`` is the inherited-block count per
-    request row the call redirected with (a reference to the caller's host array, not a
-    copy), or None.
+    request row the call redirected with, copied at the call (the caller may change its
+    array afterwards), or None. ``block_table`` is the caller's table of a device-route
+    writer (a reference; its block ids were not checked on the host), else None.
     """
 
     kind: str
@@ -72,3 +73,4 @@ class ForwardRecord:
     request_count: int
     padded_request_count: int
     inherited: Optional[object] = None
+    block_table: Optional[object] = None

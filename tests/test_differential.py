@@ -215,8 +215,10 @@ def prefill_args(draw, g: Geometry):
 
 
 def annotate(pair: DifferentialPair, data, g: Geometry) -> None:
-    """The scheduler writes prefix-match counts straight into the host annotations."""
-    values = torch.tensor(data.draw(int_list(g.R, 0, g.W + 1), label="annotations"),
+    """The scheduler writes prefix-match counts straight into the host annotations,
+    each in ``[0, W]`` (a request inherits at most its whole table; the writers refuse
+    an inherited count past that, which upstream accepts)."""
+    values = torch.tensor(data.draw(int_list(g.R, 0, g.W), label="annotations"),
                           dtype=torch.int32)
     for meta in (pair.lib, pair.ref):
         if meta.request_matched_prefix_blocks is not None:

@@ -133,10 +133,10 @@ def test_draft_offsets_may_end_one_past_the_table_after_the_last_advance(path):
 
 @debug_env_off
 def test_first_check_keeps_the_inherited_counts_of_its_forward(path):
-    """``last_forward.inherited`` is the caller's live array. A row move of the
-    annotations after the pass must not make the pass's (correct) token maps look
-    wrong; the first check of a record keeps a copy. The same move before any check of
-    the record is indistinguishable from a broken redirect, and is reported."""
+    """The caller's inherited array (here the annotations themselves) may change after
+    the pass, by a row move, before or after the first check: the record holds the
+    counts of the call, so the pass's (correct) token maps never look wrong. A broken
+    redirect (a protected token pointing at a real block) is still reported."""
     meta, view = _checked_meta(path)
     _commit(meta, view)
     meta.end_forward()
@@ -147,7 +147,9 @@ def test_first_check_keeps_the_inherited_counts_of_its_forward(path):
     fresh, fresh_view = _checked_meta(path)
     _commit(fresh, fresh_view)
     fresh.move_request_rows([2], [1])
-    with pytest.raises(InvariantError, match=r"inherited blocks: token 3 \(row 1"):
+    fresh.check_invariants()  # the counts of the call: row 1 inherited nothing
+    fresh_view.token_to_block_idx[0] = 7  # token 0: row 0, column 0 < inherited 1
+    with pytest.raises(InvariantError, match=r"inherited blocks: token 0 \(row 0"):
         fresh.check_invariants()
 
 

@@ -1,0 +1,444 @@
+"""Plausible scheduler mistakes that used to get through silently (issue 15, §1).
+
+Each refusal is checked on both paths (direct and CPU-forced mirror) for its type, a
+message that names the argument, the value and the bound or dtype, and that not one
+element of any persistent buffer, scalar or destination-view field changed. Where the
+mistake is the KV-corrupting kind (a wrapped or unallocated block id), a positive
+control shows that the same call with a legal id writes what the reference writes.
+
+Geometry (tests.helpers.config): R = 8, W = 6, BS = 4, D = 999, int32 block table.
+Views are sentinel-filled (777), 16 token rows, R 8, W 6.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import pytest
+import torch
+
+from mtpmeta import ContextGPUView, ForwardModeError, InvariantError, MTPForwardMode, \
+    MTPMetadata
+from mtpmeta.reference import ReferenceGPUView
+from tests.helpers import (assert_same_state, assert_views_equal, buffer_state, config,
+                           make_metadata, make_reference, make_view, view_state)
+
+R, W, BS, D = 8, 6, 4, 999
+# Real block ids 10..35, never D; int64 so that ids past int32 can be planted.
+TABLE = np.array([[10, 11, 12, 13, 14, 15], [20, 21, 22, 23, 24, 25],
+                  [30, 31, 32, 33, 34, 35]], dtype=np.int64)
+
+
+def _with(value, row, column, table=TABLE):
+    """A copy of ``table`` with ``[row, column] = value``."""
+    changed = table.copy()
+    changed[row, column] = value
+    return changed
+
+
+def _refused(meta, views, call, exc, match):
+    """``call()`` raises ``exc`` matching ``match`` and changes no buffer, scalar or
+    view byte."""
+    before = buffer_state(meta), [view_state(v) for v in views]
+    with pytest.raises(exc, match=match):
+        call()
+    assert_same_state(before[0], buffer_state(meta))
+    for old, view in zip(before[1], views):
+        assert_same_state(old, view_state(view))
+
+
+def _primed(path, **overrides):
+    """An object with annotations, a staged draft loop and a sentinel view written by a
+    valid depth, so that a refused call has state it could corrupt."""
+    meta = make_metadata(path, **overrides)
+    meta.request_matched_prefix_blocks[:3] = torch.tensor([1, 0, 2], dtype=torch.int32)
+    view = make_view("context")
+    meta.begin_decode(2, 3, [9, 2], TABLE, graphed=False)
+    meta.setup_decode_step(view)
+    return meta, view
+
+
+def _upstream_layout_view():
+    """A view with upstream's dtypes where they differ: token_to_block_idx int64."""
+    view = make_view("context")
+    view.token_to_block_idx = torch.full((16,), 777, dtype=torch.int64)
+    return view
+
+
+# ----------------------------------------------------- 1.1 block ids that do not fit
+@pytest.mark.parametrize("dtype, dummy, value", [
+    (torch.int32, D, 2**40 + 5),  # stored 5 before
+    (torch.int32, D, 2**31),  # stored -2147483648 before
+    (torch.int8, 99, 300),  # stored 44 before
+])
+def test_begin_decode_refuses_block_ids_that_do_not_fit_block_table_dtype(
+        path, dtype, dummy, value):
+    """A table entry that block_table_dtype cannot hold used to wrap in the copy into
+    ``block_table``: the wrapped id is another request's real block."""
+    meta, view = _primed(path, block_table_dtype=dtype, dummy_block_idx=dummy)
+    table = _with(value, 1, 2)
+    _refused(meta, [view], lambda: meta.begin_decode(2, 2, [0, 1], table, False),
+             ValueError, rf"block_table_src: block id {value} at \[1, 2\] does not fit "
+                         rf"block_table_dtype {dtype}")
+
+
+def test_begin_decode_accepts_every_id_the_dtype_holds(path):
+    """The bound is the dtype's own: int8's 127 and -128 are legal entries (-128 sits
+    in a column no token writes)."""
+    meta = make_metadata(path, block_table_dtype=torch.int8, dummy_block_idx=99)
+    table = _with(-128, 1, 5, _with(127, 0, 0))
+    meta.begin_decode(2, 2, [0, 1], table, False)
+    assert meta.block_table[:2].tolist() == table[:2].tolist()
+
+
+def test_draft_depth_refuses_ids_the_view_dtype_cannot_hold(path):
+    """``block_table_dtype=torch.int64`` holds ``2**33 + 7``, the view's int32
+    token_to_block_idx does not: the depth used to write 7. Refused before any write,
+    for the written column and for any entry of the rows (mha_block_table)."""
+    meta = make_metadata(path, block_table_dtype=torch.int64)
+    view = make_view("context")
+    meta.begin_decode(2, 2, [0, 5], _with(2**33 + 7, 1, 1), False)  # row 1 writes col 1
+    _refused(meta, [view], lambda: meta.setup_decode_step(view), ValueError,
+             r"block id 8589934599 at \[1, 1\], written by draft row 1 .* does not fit "
+             r"gpu_view.token_to_block_idx dtype torch.int32")
+    meta.begin_decode(2, 2, [0, 5], _with(2**33 + 7, 1, 4), False)  # a column not written
+    _refused(meta, [view], lambda: meta.setup_decode_step(view), ValueError,
+             r"block id 8589934599 at \[1, 4\] does not fit gpu_view.mha_block_table "
+             r"dtype torch.int32")
+
+
+def test_draft_depth_with_wide_ids_into_a_wide_view_writes_them(path):
+    """Positive control: a view whose token_to_block_idx and mha_block_table are int64
+    holds ``2**33 + 7``, so the same depth writes it, as upstream does (hand-worked:
+    row 0 at position 0 reads column 0, row 1 at position 5 column 1)."""
+    meta = make_metadata(path, block_table_dtype=torch.int64)
+    view = make_view("context")
+    view.token_to_block_idx = torch.zeros(16, dtype=torch.int64)
+    view.mha_block_table = torch.zeros((R, W), dtype=torch.int64)
+    table = _with(2**33 + 7, 1, 1)
+    meta.begin_decode(2, 2, [0, 5], table, False)
+    meta.setup_decode_step(view)
+    assert view.token_to_block_idx[:2].tolist() == [10, 2**33 + 7]
+    assert view.mha_block_table[:2].tolist() == table[:2].tolist()
+
+
+@pytest.mark.parametrize("view_kind", ["context", "upstream"])
+def test_commit_pass_refuses_block_ids_that_do_not_fit_the_view(path, view_kind):
+    """``2**32 + 3`` in a column the pass writes used to become
+    ``token_to_block_idx = 3``. Both view layouts hold an int32 mha_block_table, which
+    every entry of a request's row reaches; the written id is named either way."""
+    meta, view = _primed(path)
+    if view_kind == "upstream":
+        view = _upstream_layout_view()
+    table = _with(2**32 + 3, 0, 0)
+    _refused(meta, [view], lambda: meta.setup_commit_pass(view, [3, 2], table),
+             ValueError, r"block_table: block id 4294967299 at \[0, 0\] .*does not fit "
+                         r"gpu_view\.(mha_block_table|token_to_block_idx) dtype "
+                         r"torch.int32")
+
+
+def test_writers_refuse_block_ids_that_do_not_fit_the_view(path):
+    """write_token_maps checks the block each token writes; write_mha_metadata every
+    entry it copies into mha_block_table."""
+    meta, view = _primed(path)
+    table = _with(2**32 + 3, 0, 1)
+    _refused(meta, [view], lambda: meta.write_token_maps(view, [0, 0], [0, 4], table, 3),
+             ValueError, r"block_table: block id 4294967299 at \[0, 1\], written by token "
+                         r"1 \(position 4\), does not fit gpu_view.token_to_block_idx "
+                         r"dtype torch.int32")
+    _refused(meta, [view], lambda: meta.write_mha_metadata(view, [1], [5], table[:1], 2),
+             ValueError, r"block_table: block id 4294967299 at \[0, 1\] does not fit "
+                         r"gpu_view.mha_block_table dtype torch.int32")
+
+
+def test_write_token_maps_ignores_ids_in_columns_no_token_writes(path):
+    """Positive control: only written blocks reach token_to_block_idx, so a wide id in
+    another column is accepted and the maps equal the reference's."""
+    meta, ref = make_metadata(path), make_reference()
+    view, ref_view = make_view("context"), make_view("reference")
+    table = _with(2**32 + 3, 0, 5)
+    meta.write_token_maps(view, [0, 1], [0, 6], table, 3)
+    ref.write_token_maps(ref_view, torch.tensor([0, 1]), torch.tensor([0, 6]),
+                         torch.from_numpy(table), 3)
+    assert_views_equal(view, ref_view)
+
+
+def test_check_invariants_flags_a_negative_block_id(path):
+    """A wrapped ``2**31`` reads ``-2147483648``: no real token may hold a negative
+    block (the writers now refuse one; this plants it in the view)."""
+    meta, view = _primed(path)
+    meta.check_invariants()
+    view.token_to_block_idx[1] = -2**31
+    with pytest.raises(InvariantError, match=r"block ids: token 1 .* -2147483648"):
+        meta.check_invariants()
+
+
+def test_check_invariants_flags_a_draft_id_the_view_cannot_hold(path):
+    """An int64 draft table entry ``2**33 + 7`` read by a real draft token of an int32
+    view: the view can only hold a wrapped id (planted, since the depth now refuses)."""
+    meta = make_metadata(path, block_table_dtype=torch.int64)
+    view = make_view("context")
+    meta.begin_decode(2, 2, [0, 5], TABLE, False)
+    meta.setup_decode_step(view)
+    meta.check_invariants()
+    meta.block_table[1, 1] = 2**33 + 7
+    view.token_to_block_idx[1] = 7
+    with pytest.raises(InvariantError, match=r"block ids: token 1 .* 8589934599 .* "
+                                             r"cannot hold"):
+        meta.check_invariants()
+
+
+def test_device_route_begin_decode_wrap_is_flagged_by_check_invariants(device_route):
+    """On the device route ids are not value-checked (a sync): a too-wide id wraps in
+    the copy, as torch's does. ``check_invariants`` (at the first check after the call;
+    under MTPMETA_DEBUG=1 the call's own) compares the buffer with what it was given."""
+    meta = make_metadata("mirror")
+    with pytest.raises(InvariantError, match=r"block ids: block_table\[1, 2\] = 5, but "
+                                             r"begin_decode was given 1099511627781"):
+        meta.begin_decode(2, 2, torch.tensor([0, 1]),
+                          torch.from_numpy(_with(2**40 + 5, 1, 2)), False)
+        meta.check_invariants()
+
+
+def test_device_route_token_maps_wrap_is_flagged_by_check_invariants(device_route):
+    """A device-route write_token_maps with ``2**32 + 3`` writes 3 (unchecked); the
+    record keeps the given table and the first check compares the view with it."""
+    meta = make_metadata("mirror")
+    view = make_view("context")
+    with pytest.raises(InvariantError, match=r"block ids: token 1 .* token_to_block_idx "
+                                             r"3, but the block_table it was given "
+                                             r"holds block 4294967299"):
+        meta.write_token_maps(view, torch.tensor([0, 0]), torch.tensor([0, 4]),
+                              torch.from_numpy(_with(2**32 + 3, 0, 1)), 3)
+        meta.check_invariants()
+
+
+# ------------------------------------------------------------ 1.2 / 1.3 dummy block
+@pytest.mark.parametrize("dtype, dummy, match", [
+    (torch.int32, -1, r"dummy_block_idx: -1 < 0"),
+    (torch.int32, 2**31, r"dummy_block_idx: 2147483648 does not fit block_table_dtype "
+                         r"torch.int32 \(max 2147483647\)"),
+    (torch.int8, 200, r"dummy_block_idx: 200 does not fit block_table_dtype torch.int8 "
+                      r"\(max 127\)"),
+])
+def test_constructor_refuses_a_dummy_block_that_is_negative_or_does_not_fit(
+        dtype, dummy, match):
+    """-1 sent pad tokens to block -1 and made begin_decode_for_capture fill the table
+    with -1; an id past the dtype failed later inside torch (RuntimeError in
+    allocate). Both are refused where the value is given."""
+    with pytest.raises(ValueError, match=match):
+        MTPMetadata(**config(block_table_dtype=dtype, dummy_block_idx=dummy))
+
+
+def test_largest_dummy_block_the_dtype_holds_is_accepted(path):
+    meta = make_metadata(path, block_table_dtype=torch.int8, dummy_block_idx=127)
+    meta.begin_decode_for_capture(2)
+    assert meta.block_table[:2].unique().tolist() == [127]
+
+
+# ---------------------------------------------------- 1.4 -1 block in a written column
+def test_draft_depth_refuses_an_unallocated_block_in_the_column_it_writes(path):
+    """Row 0 starts in column 0 and its next depth steps into column 1, which holds -1:
+    that depth used to write ``token_to_block_idx = -1``. The first depth is fine;
+    the second is refused before any write, and rows whose -1 columns are never
+    written are accepted."""
+    meta = make_metadata(path)
+    view = make_view("context")
+    table = _with(-1, 0, 1, _with(-1, 0, 5))
+    meta.begin_decode(2, 2, [3, 5], table, False)  # row 0: position 3, column 0
+    meta.setup_decode_step(view)
+    assert view.token_to_block_idx[:2].tolist() == [10, 21]
+    meta.advance_decode_step()  # row 0: position 4, column 1 -> -1
+    _refused(meta, [view], lambda: meta.setup_decode_step(view), ValueError,
+             r"block_table \(the draft loop's, from begin_decode\): block -1 at \[0, 1\] "
+             r"is negative \(an unallocated block\), but draft row 0 \(offset 4\) writes")
+
+
+def test_commit_pass_refuses_an_unallocated_block_in_a_written_column(path):
+    meta, view = _primed(path)
+    table = _with(-1, 1, 1)  # request 1 writes positions 2..5: columns 0 and 1
+    _refused(meta, [view], lambda: meta.setup_commit_pass(
+        view, [3, 4], table, start_positions=[0, 2]), ValueError,
+        r"block_table: block -1 at \[1, 1\] is negative \(an unallocated block\), but "
+        r"request 1 \(positions 2\.\.5\) writes")
+
+
+def test_commit_pass_accepts_unallocated_blocks_it_does_not_write(path):
+    """Positive control: -1 past a span, or inside an inherited (redirected) column, is
+    what a scheduler's table holds; the pass equals the reference's."""
+    meta, ref = make_metadata(path), make_reference()
+    view, ref_view = make_view("context"), make_view("reference")
+    table = _with(-1, 0, 0, _with(-1, 1, 3))  # row 0 col 0 inherited; row 1 col 3 unused
+    for side, v in ((meta, view), (ref, ref_view)):
+        side.setup_commit_pass(v, torch.tensor([3, 4]), torch.from_numpy(table.copy()),
+                               start_positions=torch.tensor([2, 0]),
+                               inherited_blocks=torch.tensor([1, 0]))
+    assert_views_equal(view, ref_view)
+
+
+def test_write_token_maps_refuses_an_unallocated_block_it_writes(path):
+    meta, view = _primed(path)
+    table = _with(-1, 1, 2)
+    _refused(meta, [view], lambda: meta.write_token_maps(view, [1, 1], [7, 8], table, 2),
+             ValueError, r"block_table: block -1 at \[1, 2\] is negative \(an "
+                         r"unallocated block\), but token 1 \(position 8\) writes")
+    meta.write_token_maps(view, [1, 1], [7, 8], table, 2, inherited_blocks=[0, 3])
+    assert view.token_to_block_idx[:2].tolist() == [D, D]  # both inherited: redirected
+
+
+# ---------------------------------------------------- 1.5 inherited counts past [0, W]
+@pytest.mark.parametrize("bad", [W + 1, -1])
+def test_inherited_blocks_outside_zero_to_w_are_refused(path, bad):
+    meta, view = _primed(path)
+    _refused(meta, [view], lambda: meta.setup_commit_pass(
+        view, [3, 2], TABLE, inherited_blocks=[0, bad]), ValueError,
+        rf"inherited_blocks: {bad} at index 1 outside \[0, max_kv_block_count {W}\]")
+    _refused(meta, [view], lambda: meta.write_token_maps(
+        view, [0], [5], TABLE, 1, inherited_blocks=[bad]), ValueError,
+        rf"inherited_blocks: {bad} at index 0 outside \[0, max_kv_block_count {W}\]")
+
+
+def test_inherited_blocks_may_cover_the_whole_table(path):
+    """W is legal (a request that inherited every block): every token goes to D."""
+    meta = make_metadata(path)
+    view = make_view("context")
+    meta.setup_commit_pass(view, [3], TABLE, start_positions=[20], inherited_blocks=[W])
+    assert view.token_to_block_idx[:3].tolist() == [D, D, D]
+
+
+# ------------------------------------------------------------------------ 1.6 flags
+@pytest.mark.parametrize("bad", ["yes", 1, None, "no"])
+def test_enabled_must_be_a_bool(bad):
+    with pytest.raises(TypeError, match=rf"enabled: expected a bool .*{bad!r}"):
+        MTPMetadata(**config(enabled=bad))
+
+
+@pytest.mark.parametrize("bad", ["no", 0, None, [False]])
+def test_graphed_must_be_a_bool(path, bad):
+    """``graphed="no"`` used to be taken as True (the capture-time bound)."""
+    meta, view = _primed(path)
+    _refused(meta, [view], lambda: meta.begin_decode(2, 2, [0, 1], TABLE, graphed=bad),
+             TypeError, rf"graphed: expected a bool .*{bad!r}")
+
+
+def test_numpy_bools_are_flags(path):
+    meta = MTPMetadata(**config(enabled=np.bool_(True)))
+    assert meta.enabled is True
+    meta.allocate("cpu", mirror=(path == "mirror"))
+    meta.begin_decode(1, 1, [0], TABLE, graphed=np.True_)
+    assert meta.graphed is True
+    assert meta.setup_decode_step(make_view("context")).max_seqlen_k == W * BS
+
+
+@pytest.mark.parametrize("bad", ["draft", "DRAFT", 1, None, True])
+def test_forward_mode_takes_only_an_mtp_forward_mode(path, bad):
+    """A string used to be stored: forward_active then read True and check_invariants
+    passed. Assigning a mode (upstream style) still works."""
+    meta, view = _primed(path)
+    meta.end_forward()
+    _refused(meta, [view], lambda: setattr(meta, "forward_mode", bad), TypeError,
+             r"forward_mode: expected an MTPForwardMode")
+    assert meta.forward_active is False
+    meta.forward_mode = MTPForwardMode.DRAFT
+    assert meta.forward_mode is MTPForwardMode.DRAFT and meta.forward_active
+
+
+# ---------------------------------------------------- 1.7 draft steps outside DRAFT
+@pytest.mark.parametrize("method", ["advance_decode_step", "stage_decode_lengths"])
+@pytest.mark.parametrize("mode", ["after end_forward", "in COMMIT"])
+def test_draft_steps_refuse_outside_draft(path, method, mode):
+    """Both used to run after end_forward and during a commit pass, shifting the
+    offsets (or the lengths) of a loop that had ended."""
+    meta, view = _primed(path)
+    meta.end_forward()
+    if mode == "in COMMIT":
+        meta.setup_commit_pass(view, [3, 2], TABLE)
+    _refused(meta, [view], getattr(meta, method), ForwardModeError,
+             rf"{method}: forward_mode is {'NONE' if mode == 'after end_forward' else 'COMMIT'}"
+             r", expected DRAFT")
+
+
+def test_advance_may_step_past_the_table_at_the_end_of_a_loop(path):
+    """Still legal: the last depth's advance steps one past the last slot; only a setup
+    from there is refused."""
+    meta = make_metadata(path)
+    view = make_view("context")
+    meta.begin_decode(1, 1, [W * BS - 1], TABLE, False)
+    meta.setup_decode_step(view)
+    meta.advance_decode_step()
+    assert int(meta.offsets[0]) == W * BS
+    with pytest.raises(ValueError, match="active_offsets: block column 6 >= "):
+        meta.setup_decode_step(view)
+
+
+# ---------------------------------------------- 1.8 inherited counts of the call
+def test_check_uses_the_inherited_counts_of_the_call_not_the_current_annotations(path):
+    """The README's recipe passes ``request_matched_prefix_blocks[paused:total]``, a
+    view of the annotations. A scheduler that updates the annotations before checking
+    (a new prefix hit for row 2) used to get a false alarm ("token 6 ... points at block
+    20, expected dummy_block_idx")."""
+    meta = make_metadata(path)
+    view = make_view("context")
+    paused, total = 1, 3
+    meta.request_matched_prefix_blocks[:3] = torch.tensor([0, 1, 0], dtype=torch.int32)
+    meta.setup_commit_pass(view, [3, 2], TABLE[:2], start_positions=[2, 0],
+                           inherited_blocks=meta.request_matched_prefix_blocks[paused:total])
+    meta.request_matched_prefix_blocks[2] = 1  # request 1 (row 2) now inherits block 0
+    meta.check_invariants()
+    view.token_to_block_idx[3] = 20  # a broken redirect is still found...
+    meta.check_invariants()  # ... no: request 1 inherited nothing at the call
+    view.token_to_block_idx[0] = 10  # request 0: column 0 < inherited 1 -> must be D
+    with pytest.raises(InvariantError, match=r"inherited blocks: token 0 \(row 0"):
+        meta.check_invariants()
+
+
+# ------------------------------------------------------- §2 messages and the docs
+def test_check_invariants_refuses_an_argument_that_is_no_view(path):
+    meta, _ = _primed(path)
+    with pytest.raises(ValueError, match=r"gpu_view: missing tensor field"):
+        meta.check_invariants("view")
+
+
+def test_a_too_short_view_field_is_named_not_the_counts(path):
+    """A field rebound to a short tensor used to be reported as "append_counts: 5
+    tokens > max_tokens 4", sending the reader to the wrong argument."""
+    meta, view = _primed(path)
+    view.token_to_request_idx = torch.zeros(4, dtype=torch.int32)
+    _refused(meta, [view], lambda: meta.setup_commit_pass(view, [3, 2], TABLE),
+             ValueError, r"gpu_view.token_to_request_idx holds 4 rows, fewer than the "
+                         r"other token fields")
+    view = make_view("context")
+    view.mha_kv_seq_lengths = torch.zeros(1, dtype=torch.int32)
+    _refused(meta, [view], lambda: meta.write_mha_metadata(view, [1, 2], [1, 2],
+                                                           TABLE[:2], 2),
+             ValueError, r"gpu_view.mha_kv_seq_lengths holds 1 request rows")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_allocate_on_cuda_without_cuda_says_so():
+    meta = MTPMetadata(**config())
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        meta.allocate("cuda")
+    assert meta.offsets is None
+
+
+def test_help_lists_every_public_attribute():
+    """``help(MTPMetadata)`` shows the attributes the constructor sets (not only the
+    properties), the Indices type and ContextGPUView.device."""
+    doc = inspect.getdoc(MTPMetadata)
+    for name in ("forward_mode", "graphed", "active_request_count", "padded_count",
+                 "active_offsets", "active_block_table", "last_forward",
+                 "draft_annotation_offset", "Indices"):
+        assert f"\n    {name}:" in doc or f"\n{name}:" in doc, name
+    assert "Which MTP forward" in inspect.getdoc(MTPMetadata.forward_mode)
+    assert inspect.getdoc(ContextGPUView.device)
+
+
+def test_flags_are_checked_on_the_device_route_too(device_route):
+    """The type check runs before the route is chosen: device tensors (CPU tensors
+    treated as device ones) meet the same refusal, with nothing staged."""
+    meta, view = _primed("mirror")
+    _refused(meta, [view], lambda: meta.begin_decode(
+        2, 2, torch.tensor([0, 1]), torch.from_numpy(TABLE), graphed="no"), TypeError,
+        r"graphed: expected a bool .*'no'")
