@@ -1,4 +1,4 @@
-"""The persistent buffers SPEC §1 names, born in ``allocate``.
+"""The persistent buffers contract §1 names, born in ``allocate``.
 
 Host truth, device snapshot: the host arrays (the annotations, the host copy of the
 draft offsets) are the source of truth for bookkeeping and validation; the device
@@ -19,14 +19,14 @@ from .runtime import DeviceRuntime, get_runtime
 
 __all__ = ["PersistentBuffers", "BUFFER_NAMES"]
 
-# The buffers SPEC §1 names, as MTPMetadata exposes them (None when not allocated).
+# The buffers contract §1 names, as MTPMetadata exposes them (None when not allocated).
 BUFFER_NAMES = ("request_matched_prefix_blocks", "offsets", "block_table", "query_lengths",
                 "kv_lengths", "row_ids", "chunk_boundary_hidden")
 
 
 @dataclass
 class PersistentBuffers:
-    """Every buffer SPEC §1 lists, with the numpy views the host kernels use."""
+    """Every buffer contract §1 lists, with the numpy views the host kernels use."""
 
     request_matched_prefix_blocks: torch.Tensor  # [R] int32, host (pinned with CUDA)
     offsets: torch.Tensor  # [R] int32, device: draft write position per request

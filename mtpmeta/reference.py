@@ -5,7 +5,7 @@ step the way the upstream class does: one small torch op per field, host ints re
 with ``.item()`` where upstream reads them (so it syncs with the device where upstream
 does). It shares no code with the fast (numba) path on purpose, so a bug in one cannot
 hide in the other. Readability beats speed here; the only validation is what the
-contract's semantics need (SPEC.md section 8's input checks are the fast path's job).
+contract's semantics need (docs/contract.md §8's input checks are the fast path's job).
 
 Terms: ``R = max_requests``, ``W = max_kv_block_count``, ``BS = block_size_tokens``,
 ``D = dummy_block_idx``, ``n = active_request_count``.
@@ -128,7 +128,7 @@ class ReferenceMTPMetadata:
             raise RuntimeError(f"{what}: buffers are not allocated; call allocate(device) first")
 
     def allocate(self, device: torch.device, *, mirror: Any = None) -> None:
-        """Reserve the persistent buffers (SPEC section 1). ``mirror`` is ignored."""
+        """Reserve the persistent buffers (contract §1). ``mirror`` is ignored."""
         if not self.enabled:
             return
         R, W = self.max_requests, self.max_kv_block_count
@@ -412,7 +412,7 @@ class ReferenceMTPMetadata:
 
         ``inherited_blocks`` is per request (the active slice of the annotations). When
         ``P == R`` absorbs token padding, the last request's block columns past its
-        span read the dummy block (SPEC 6)."""
+        span read the dummy block (contract §6)."""
         self._require_buffers("setup_commit_pass")
         device = self.offsets.device
         counts = _on(append_counts, device).reshape(-1).long()  # [P]

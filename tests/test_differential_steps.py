@@ -10,9 +10,11 @@ interleaves every operation for 20-40 calls per example. After every call the li
 from __future__ import annotations
 
 import hypothesis.strategies as st
+import pytest
 import torch
 from hypothesis import event, given, settings
 
+from mtpmeta import ForwardModeError
 from tests.helpers import VIEW
 from tests.test_differential import (
     OWN_ANNOTATIONS,
@@ -272,9 +274,15 @@ def run_sequence(pair, data, g: Geometry, num_ops: int) -> None:
                     n == 0 or int(lib.offsets[:n].max()) // g.BS < g.W):
                 pair.call("setup_decode_step", VIEW)
         elif op in ("advance", "stage decode"):
-            if lib.active_offsets is not None:
-                pair.call("advance_decode_step" if op == "advance" else
-                          "stage_decode_lengths")
+            method = "advance_decode_step" if op == "advance" else "stage_decode_lengths"
+            if lib.forward_mode.name == "DRAFT":
+                pair.call(method)
+            elif lib.active_offsets is not None:
+                # Upstream runs them after the loop ended; mtpmeta refuses, changing
+                # nothing: the library side must still equal the reference's state.
+                with pytest.raises(ForwardModeError, match=f"{method}: forward_mode"):
+                    getattr(lib, method)()
+                pair.check(f"{method} refused outside DRAFT")
         elif op == "end":
             pair.call("end_forward")
         elif op == "commit":

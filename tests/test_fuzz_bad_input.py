@@ -319,8 +319,8 @@ def _valid_token_maps(draw, strided):
     positions = fv.ints(draw, count, 0, min(W, width) * BS - 1)
     table = fv.table(draw, table_rows, width)
     padded = draw(st.integers(count, TOKENS))
-    inherited = None if draw(st.booleans()) else fv.ints(
-        draw, table_rows + draw(st.integers(0, 2)), 0, W + 1)
+    inherited = None if draw(st.booleans()) else fv.ints(  # counts in [0, W]
+        draw, table_rows + draw(st.integers(0, 2)), 0, W)
     form = lambda value: None if value is None else draw(fv.container(value, strided))  # noqa: E731
     return {"view": _view_arg(strided), "rows": form(rows), "positions": form(positions),
             "table": form(table), "padded": draw(fv.scalar(padded)),
@@ -418,8 +418,8 @@ def _valid_commit(draw, strided):
         starts = np.array([draw(st.integers(0, LIMIT - c)) for c in counts] +
                           [draw(st.integers(0, 1000)) for _ in range(draw(st.integers(0, 2)))],
                           dtype=np.int64)
-    inherited = None if draw(st.booleans()) else fv.ints(
-        draw, num + draw(st.integers(0, 2)), 0, W + 1)
+    inherited = None if draw(st.booleans()) else fv.ints(  # counts in [0, W]
+        draw, num + draw(st.integers(0, 2)), 0, W)
     table = fv.table(draw, num + draw(st.integers(0, 2)), W)
     total = int(counts.sum())
     padded_tokens = draw(st.none() | st.integers(total, TOKENS))

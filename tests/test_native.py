@@ -153,6 +153,60 @@ def test_bound_scans_match_naive(rng):
         assert native.checks.min_max(values, count) == naive.min_max(values, count)
 
 
+def test_closed_bound_scan_matches_naive(rng):
+    """first_outside_closed takes a dtype's own maximum as an inclusive bound: an
+    exclusive one would refuse int8's 127, a missed one let 128 wrap to -128."""
+    for _ in range(CASES):
+        values = rng.integers(-130, 130, int(rng.integers(0, 8))).astype(
+            INDEX_DTYPES[int(rng.integers(2))])
+        low, high = sorted((int(rng.integers(-130, 130)), int(rng.integers(-130, 130))))
+        assert (native.checks.first_outside_closed(values, low, high)
+                == naive.first_outside_closed(values, low, high))
+
+
+def _block_table(rng, rows: int, width: int) -> np.ndarray:
+    """Block ids with unallocated (-1) and too-wide (300) entries among real ones."""
+    table = rng.integers(0, 100, (rows, width))
+    table[rng.random((rows, width)) < 0.2] = -1
+    table[rng.random((rows, width)) < 0.1] = 300
+    return table.astype(INDEX_DTYPES[int(rng.integers(2))])
+
+
+def test_written_block_scans_match_naive(rng):
+    """The block-id scans behind the writers, the commit pass and each draft depth: a
+    redirected column scanned would refuse a legal inherited -1, an unscanned written
+    one let block -1 (or a wrapped id, here 300 into int8's 127) reach the KV cache."""
+    block_size, width, high = 4, 5, 127
+    for _ in range(CASES):
+        num_rows = int(rng.integers(1, 5))
+        table = _block_table(rng, num_rows, width)
+        inherited = rng.integers(0, width + 1, num_rows)
+        has_inherited = bool(rng.integers(2))
+        T = int(rng.integers(0, 10))
+        rows = rng.integers(0, num_rows, T)
+        positions = rng.integers(0, width * block_size, T)
+        assert native.checks.first_bad_token_block(
+            rows, positions, table, inherited, has_inherited, block_size, high) == \
+            naive.first_bad_token_block(rows, positions, table,
+                                        inherited if has_inherited else None,
+                                        block_size, high)
+        counts = rng.integers(0, 6, num_rows)
+        starts = rng.integers(0, width * block_size - 5, num_rows)
+        has_starts = bool(rng.integers(2))
+        assert native.checks.first_bad_commit_block(
+            counts, starts, has_starts, table, inherited, has_inherited, block_size,
+            high) == naive.first_bad_commit_block(
+                counts, starts if has_starts else None, table,
+                inherited if has_inherited else None, block_size, high)
+        offsets = rng.integers(-2, width * block_size + 3, num_rows).astype(np.int32)
+        count = int(rng.integers(0, num_rows + 1))
+        check_rows = bool(rng.integers(2))
+        assert native.checks.first_bad_draft_block(
+            offsets, table, count, block_size, high, check_rows, -1, 99) == \
+            naive.first_bad_draft_block(offsets, table, count, block_size, high,
+                                        check_rows, -1, 99)
+
+
 # ---------------------------------------------------------------- staging: draft loop
 def test_draft_loop_kernels_match_naive(rng):
     """The draft loop's host state: a start position past the table copied anyway, a

@@ -20,7 +20,7 @@ view, the cache and the attention output with it, in this order:
    has committed (plus this draft loop's speculative positions) equals a dense
    recomputation from its tokens (``DenseOracle``), within dtype tolerance;
 6. ``attention output``: where meaningful, equal to dense causal attention. A commit
-   pass is a fresh causal prefill (KV length = query length, SPEC §6): its output is
+   pass is a fresh causal prefill (KV length = query length, contract §6): its output is
    the true attention only for a span starting at position 0, so only those are
    compared; for the others the KV check is the one that counts.
 """

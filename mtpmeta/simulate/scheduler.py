@@ -8,7 +8,7 @@ Two limits keep the batch inside what the library promises:
 * at most one request is prefilled in chunks at a time: the library keeps ONE
   chunk-boundary carry (upstream's context has one chunked request in flight);
 * at most ``R - 1`` requests are active, so a commit pass always has ``P < R`` and its
-  TP pad rows get their own trailing pad request (SPEC §6). With ``P == R`` the last
+  TP pad rows get their own trailing pad request (contract §6). With ``P == R`` the last
   request would absorb them and read past the blocks it owns (issue 12, §3).
 """
 
