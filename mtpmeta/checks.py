@@ -215,10 +215,17 @@ def check_take(carry_state: np.ndarray, req_id: Any, seam_position: Any) -> None
 
 
 def check_view_device(geo: Geometry, target: ViewTarget) -> None:  # every writer
-    """A destination view, resolved once, lies on the buffers' device."""
+    """A destination view, resolved once, lies on the buffers' device, and its block
+    fields hold ``dummy_block_idx`` (pad rows write it; a wrapped D is a real block)."""
     if target.device != geo.device:
         raise ValueError(f"gpu_view: fields on {target.device}, but buffers were "
                          f"allocated on {geo.device}")
+    for name, (low, high) in (("token_to_block_idx", target.token_block_range),
+                              ("mha_block_table", target.table_block_range)):
+        if not low <= geo.dummy_block_idx <= high:
+            raise ValueError(f"dummy_block_idx: {geo.dummy_block_idx} does not fit "
+                             f"gpu_view.{name} dtype "
+                             f"{getattr(target.fields, name).dtype} (max {high})")
 
 
 def check_padded(value: Any, name: str, count: int, what: str, *,

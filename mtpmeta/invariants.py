@@ -24,6 +24,13 @@ The invariants, in the order they are checked:
   query and KV lengths, both ``cu_*`` arrays flat at ``cu[n]``, all -1 block rows.
 - ``cu arrays`` (same kinds): ``cu[0] == 0``, non-decreasing over ``[0, padded]``; after
   a commit pass ``mha_cu_query_seq_lengths[padded]`` is the padded token count.
+- ``block ids`` (kinds decode/commit/tokens): no real token holds a negative block
+  (unallocated, or an id wrapped into a narrower dtype); a draft token's block in the
+  draft loop's ``block_table`` fits the view's ``token_to_block_idx`` dtype (else the
+  view holds a wrapped id); a device-route ``write_token_maps`` (record
+  ``block_table``) and ``begin_decode`` (``meta._unchecked_table``), whose ids the
+  host did not check, hold exactly the ids they were given: compared once, at the
+  first check after the call.
 - ``inherited blocks`` (a last forward with ``inherited``): no real token whose block
   column is below its row's inherited count points at a real block. A draft depth
   (kind decode) has no redirect at all, so there the rule catches a broken scheduler:
@@ -34,10 +41,10 @@ The invariants, in the order they are checked:
 The view checks read ``gpu_view`` when given, else ``meta.last_forward.gpu_view``; they
 assume the view still holds what the last MTP write put there (a view another writer
 shares must be checked right after the MTP forward). ``last_forward.inherited`` is a
-reference to the caller's array, which the scheduler may legitimately change afterwards
-(a row move of the annotations), so the first check of a record keeps a copy of the
-inherited counts and later checks of that record use the copy. A draft depth's counts
-are read from ``request_matched_prefix_blocks`` at its first check in the same way.
+copy the call took of the caller's counts, which the scheduler may legitimately change
+afterwards (a row move of the annotations, a new prefix hit). A draft depth has no such
+input: its counts are read from ``request_matched_prefix_blocks`` at the first check of
+its record and kept for later checks of that record.
 
 ``install_debug_checks(cls)`` wraps the public methods so each call is followed by a
 check; ``mtpmeta.metadata`` calls it at import when ``MTPMETA_DEBUG=1``.

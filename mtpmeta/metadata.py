@@ -272,10 +272,16 @@ class MTPMetadata(MetadataState):
         """Stage the draft loop: copy (never alias) ``start_positions[:n]`` into
         ``offsets[:n]`` and ``block_table_src[:n]`` into ``block_table[:n]``; enter DRAFT.
 
-        start_positions: int [>= n] (tensor, array or sequence); block_table_src:
-        int [>= n, max_kv_block_count]. Device tensors (mirror path) are copied on the
-        device and are not value-checked (that would be a sync); the host then has no
-        copy of the offsets and ``ForwardShape.max_seqlen_k`` is None.
+        start_positions: int [>= n] (tensor, array or sequence): per request the position
+        depth 0 writes, its MTP KV length; block_table_src: int [>= n,
+        max_kv_block_count]; graphed: a bool (or numpy bool). Host inputs are checked:
+        every entry of ``block_table_src[:n]`` must fit ``block_table_dtype`` (a wider id
+        would wrap into another block), and each depth then refuses a negative
+        (unallocated) block in the column a row writes. Device tensors (mirror path) are
+        copied on the device and are NOT value-checked (that would be a sync): an id that
+        does not fit is converted as torch's ``copy_`` converts it (``check_invariants``
+        flags it afterwards); the host then has no copy of the offsets and
+        ``ForwardShape.max_seqlen_k`` is None.
         """
         backend = self._backend
         if backend is None:
@@ -308,7 +314,9 @@ class MTPMetadata(MetadataState):
 
     def advance_decode_step(self) -> None:
         """Advance every active request's write position by one, in place (device
-        buffer and host copy alike)."""
+        buffer and host copy alike). Needs DRAFT (``ForwardModeError`` after
+        ``end_forward`` or in COMMIT, changing nothing); the last depth's advance may
+        step one past the table, where a setup is refused."""
         backend = self._backend
         if backend is None or self._forward_mode is not _DRAFT:
             backend = self._require_draft_views("advance_decode_step")
@@ -321,7 +329,8 @@ class MTPMetadata(MetadataState):
     def stage_decode_lengths(self) -> Tuple[Tensor, Tensor]:
         """Stage one draft depth's MHA lengths: query 1, KV ``active_offsets + 1``.
 
-        Returns views of ``query_lengths[:n]`` and ``kv_lengths[:n]``.
+        Returns views of ``query_lengths[:n]`` and ``kv_lengths[:n]``. Needs DRAFT
+        (``ForwardModeError`` otherwise, changing nothing).
         """
         backend = self._backend
         if backend is None or self._forward_mode is not _DRAFT:
@@ -334,7 +343,12 @@ class MTPMetadata(MetadataState):
         ``active_offsets`` through ``active_block_table`` padded to ``padded_count``,
         ``stage_decode_lengths``, and MHA metadata padded to ``padded_count``.
 
-        Needs DRAFT mode. Returns the launch shape, computed on the host: no sync.
+        Needs DRAFT mode. Refuses (before any write) a depth where a real row's
+        block ``block_table[i, offsets[i] // BS]`` is negative (unallocated) or does not
+        fit the view's ``token_to_block_idx``, or where ``block_table_dtype`` is wider
+        than ``mha_block_table`` and a row's entry does not fit it; not checked after a
+        device-tensor ``begin_decode``. Returns the launch shape, computed on the host:
+        no sync.
         ``max_seqlen_q`` is 1; ``max_seqlen_k`` is ``max_kv_block_count *
         block_size_tokens`` for a graphed loop (the capture-time bound, so a captured
         kernel's launch bounds never change), else the largest KV length (at least 1),
@@ -421,7 +435,11 @@ class MTPMetadata(MetadataState):
         Keep them on the host to keep the commit pass free of syncs.
         ``inherited_blocks`` is per commit-pass request: the ACTIVE slice of the
         annotations (``request_matched_prefix_blocks[paused:total]``), never the whole
-        array, which with paused rows redirects the wrong requests.
+        array, which with paused rows redirects the wrong requests; its counts lie in
+        ``[0, max_kv_block_count]`` and are copied for ``check_invariants`` at the call.
+        Block ids: the rows ``block_table[:P]`` must fit ``gpu_view.mha_block_table``,
+        and every block a token writes (not redirected) must be ``>= 0`` and fit
+        ``gpu_view.token_to_block_idx``; refused before anything is written.
 
         Attention output: KV length equals query length (a fresh causal prefill), so
         it is meaningful only for spans starting at position 0; later spans populate
@@ -460,7 +478,12 @@ class MTPMetadata(MetadataState):
         else ``block_table[rows, col]``; local ``positions % BS``; request ``rows``;
         both position fields ``positions``. Pad rows ``[T, padded_token_count)`` get
         block ``D`` and local 0 and nothing else. rows, positions: int [T];
-        block_table: int [B, >= cols]; inherited_blocks: int [> max(rows)].
+        block_table: int [B, >= cols]; inherited_blocks: int [> max(rows)], each in
+        ``[0, max_kv_block_count]``. On the host every block a token writes (one not
+        redirected to ``D``) must be ``>= 0`` and fit ``gpu_view.token_to_block_idx``;
+        device tensors (mirror path) are not value-checked (a sync): a block column
+        outside the table sends the token to ``D``, a block id is converted as torch
+        converts it.
         """
         backend = self._require("write_token_maps")
         target = self._memo.target(gpu_view)
@@ -480,7 +503,9 @@ class MTPMetadata(MetadataState):
         Lengths and running sums for slots ``< n``; block rows ``< B`` from
         ``block_table`` and ``[B, n)`` all ``D``; padded slots ``[n,
         padded_request_count)`` get zero lengths, flat sums and -1 rows.
-        ``kv_lengths`` may be the very same tensor as ``query_lengths``.
+        ``kv_lengths`` may be the very same tensor as ``query_lengths``. Host block
+        tables must fit ``gpu_view.mha_block_table``'s dtype (``-1`` entries are fine);
+        device tensors are not value-checked.
         """
         backend = self._require("write_mha_metadata")
         target = self._memo.target(gpu_view)
@@ -498,7 +523,8 @@ class MTPMetadata(MetadataState):
 
         Raises ``InvariantError`` (an ``AssertionError``, raised explicitly so it holds
         under ``python -O``) naming the broken invariant and the offending row, token or
-        slot. ``gpu_view`` defaults to the view of ``last_forward``. A debug tool: it
+        slot. ``gpu_view`` defaults to the view of ``last_forward`` (anything but a
+        destination view is a ``ValueError``). A debug tool: it
         reads the buffers and the view back (a sync on CUDA). The list is in
         ``mtpmeta.invariants``.
         """

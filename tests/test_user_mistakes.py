@@ -231,6 +231,17 @@ def test_constructor_refuses_a_dummy_block_that_is_negative_or_does_not_fit(
         MTPMetadata(**config(block_table_dtype=dtype, dummy_block_idx=dummy))
 
 
+def test_a_view_that_cannot_hold_the_dummy_block_is_refused(path):
+    """With an int64 block table, ``dummy_block_idx = 2**33`` passes the constructor,
+    but an int32 view would hold pad rows at a wrapped (real) block 0."""
+    meta = make_metadata(path, block_table_dtype=torch.int64, dummy_block_idx=2**33)
+    view = make_view("context")
+    meta.begin_decode(1, 2, [0], TABLE, False)
+    _refused(meta, [view], lambda: meta.setup_decode_step(view), ValueError,
+             r"dummy_block_idx: 8589934592 does not fit gpu_view.token_to_block_idx "
+             r"dtype torch.int32")
+
+
 def test_largest_dummy_block_the_dtype_holds_is_accepted(path):
     meta = make_metadata(path, block_table_dtype=torch.int8, dummy_block_idx=127)
     meta.begin_decode_for_capture(2)
