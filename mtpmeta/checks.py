@@ -27,18 +27,18 @@ from torch import Tensor
 
 from . import native
 from .errors import ChunkCarryError, InvalidDtypeError
-from .gpu_view import ViewTarget, _int_range
+from .gpu_view import ViewTarget
 from .inputs import (INT32_LIMIT, INT64_MAX, as_count, as_host_counts, as_host_ints,
                      as_carry_source, as_optional_per_request, as_row_indices,
-                     check_device_tensors, is_device_tensor, is_int_dtype,
-                     kernel_optional, raise_row_out_of_range)
+                     check_device_tensors, dtype_range, is_device_tensor,
+                     is_int_dtype, kernel_optional, raise_row_out_of_range)
 
 __all__ = ["Geometry", "TokenStatus", "CarryStatus", "check_config", "check_allocate",
            "check_row_pair", "raise_refused_row_pair", "check_carry", "check_take",
            "check_view_device", "check_decode_counts", "check_begin_decode",
            "check_decode_view", "raise_position_error", "check_prefill_lengths",
            "check_commit_inputs", "check_token_inputs", "check_mha_inputs",
-           "check_draft_blocks", "check_rows_fit", "check_inherited_range", "dtype_range"]
+           "check_draft_blocks", "check_rows_fit", "check_inherited_range"]
 
 _first_outside = native.checks.first_outside
 _first_outside_closed = native.checks.first_outside_closed
@@ -501,11 +501,6 @@ def check_mha_inputs(geo: Geometry, target: ViewTarget, query_lengths: Any,
 
 
 # ------------------------------------------------------------------- block ids
-def dtype_range(dtype: torch.dtype) -> Tuple[int, int]:
-    """``(low, high)``, both inclusive: the values an integer torch dtype holds."""
-    return _int_range(dtype)
-
-
 _HOLDS_ALL = {np.dtype(np.int32): (-2**31, 2**31 - 1), np.dtype(np.int64): (-2**63, 2**63 - 1)}
 
 

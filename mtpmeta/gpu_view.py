@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from .errors import InvalidDtypeError
+from .inputs import dtype_range
 from .cache import BoundedCache
 from .layout import PackedLayout, record_type
 
@@ -172,11 +173,6 @@ class ContextGPUView:
                 f"device={self.device})")
 
 
-def _int_range(dtype: torch.dtype) -> Tuple[int, int]:
-    info = torch.iinfo(dtype)
-    return int(info.min), int(info.max)
-
-
 class ViewTarget:
     """What the writers need from one destination view, checked once.
 
@@ -227,8 +223,8 @@ class ViewTarget:
         self.width = fields.mha_block_table.shape[1]
         # (low, high), inclusive: the block ids token_to_block_idx / mha_block_table
         # hold; the writers refuse a host block id outside them (it would wrap).
-        self.token_block_range = _int_range(fields.token_to_block_idx.dtype)
-        self.table_block_range = _int_range(fields.mha_block_table.dtype)
+        self.token_block_range = dtype_range(fields.token_to_block_idx.dtype)
+        self.table_block_range = dtype_range(fields.mha_block_table.dtype)
         self.arrays: Optional[Any] = None
         self.token_arrays: Optional[Tuple[np.ndarray, ...]] = None
         self.request_arrays: Optional[Tuple[np.ndarray, ...]] = None

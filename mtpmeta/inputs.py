@@ -31,6 +31,7 @@ __all__ = [
     "as_optional_per_request",
     "check_device_tensors",
     "is_int_dtype",
+    "dtype_range",
     "INT32_LIMIT",
     "INT64_MAX",
 ]
@@ -213,6 +214,13 @@ def as_row_indices(value: Any, num_rows: int, name: str) -> RowIndex:
     if array.ndim != 1:
         raise ValueError(f"{name}: expected a 1-D index, got shape {tuple(array.shape)}")
     return _as_fast_ints(array, name)
+
+
+def dtype_range(dtype: torch.dtype) -> Tuple[int, int]:
+    """``(low, high)``, both inclusive: the values an integer torch dtype holds, e.g.
+    ``(-128, 127)`` for ``torch.int8``."""
+    info = torch.iinfo(dtype)
+    return int(info.min), int(info.max)
 
 
 def is_int_dtype(dtype: torch.dtype) -> bool:

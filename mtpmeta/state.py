@@ -16,7 +16,8 @@ from torch import Tensor
 
 from .backend import Backend
 from .buffers import PersistentBuffers
-from .checks import Geometry, check_decode_counts, dtype_range
+from .checks import Geometry, check_decode_counts
+from .inputs import dtype_range
 from .direct import DirectBackend
 from .errors import (ForwardModeError, InvalidDtypeError, MTPDisabledError,
                      NotAllocatedError)
