@@ -38,11 +38,14 @@ __all__ = ["Geometry", "TokenStatus", "CarryStatus", "check_config", "check_allo
            "check_view_device", "check_decode_counts", "check_begin_decode",
            "check_decode_view", "raise_position_error", "check_prefill_lengths",
            "check_commit_inputs", "check_token_inputs", "check_mha_inputs",
-           "check_draft_blocks", "check_rows_fit", "check_inherited_range"]
+           "check_draft_blocks", "check_rows_fit"]
 
 _first_outside = native.checks.first_outside
 _first_outside_closed = native.checks.first_outside_closed
 _first_bad_draft_block = native.checks.first_bad_draft_block
+_first_bad_token_block = native.checks.first_bad_token_block
+_first_bad_commit_block = native.checks.first_bad_commit_block
+_INHERITED_OUT_OF_RANGE = native.checks.INHERITED_OUT_OF_RANGE
 _check_take = native.carry.check_take
 
 # What a check returns (host arrays, or device tensors on the device-op route):
@@ -275,32 +278,33 @@ def check_begin_decode(geo: Geometry, active_request_count: Any, padded_count: A
                          f"[>= {count}, max_kv_block_count {geo.max_kv_block_count}]")
     if not on_device:
         check_rows_fit(table, count, geo.table_range, "block_table_src",
-                       f"block_table_dtype {geo.block_table_dtype}")
+                       "block_table_dtype", geo.block_table_dtype)
     return count, padded, starts, table, on_device
 
 
 def check_draft_blocks(geo: Geometry, target: ViewTarget, offsets: np.ndarray,
                        table: np.ndarray, count: int) -> None:
     """One draft depth's blocks, on the host copy of the draft state (offsets int32
-    [R], table [R, W]): the block each real row writes is allocated (``>= 0``) and fits
-    ``token_to_block_idx``; when ``block_table_dtype`` holds more than the view's
-    ``mha_block_table``, every entry of the rows ``[:count]`` fits it too. Offsets
-    outside the table are left to the depth's own position check."""
-    row_low, row_high = target.table_block_range
-    low, high = geo.table_range
-    code, i = _first_bad_draft_block(offsets, table, count, geo.block_size_tokens,
-                                     target.token_block_range[1],
-                                     low < row_low or high > row_high, row_low, row_high)
-    if code == 1:
+    [R], table [R, W] of block_table_dtype): the block each real row writes is
+    allocated (``>= 0``) and fits ``token_to_block_idx``; when ``block_table_dtype``
+    holds more than the view's ``mha_block_table``, every entry of the rows
+    ``[:count]`` (copied there whole) fits it too. Offsets outside the table are left
+    to the depth's own position check. Cost: one row lookup per request (about 1 µs
+    for 192 rows, mostly the kernel call); the row scan only with a wider table."""
+    i = _first_bad_draft_block(offsets, table, count, geo.block_size_tokens,
+                               target.token_block_range[1])
+    if i >= 0:
         column = int(offsets[i]) // geo.block_size_tokens
-        _raise_written_block("block_table (the draft loop's, from begin_decode)",
-                             int(table[i, column]), i, column,
+        _raise_written_block(_DRAFT_TABLE, int(table[i, column]), i, column,
                              f"draft row {i} (offset {int(offsets[i])})", target)
-    if code == 2:
-        check_rows_fit(table, count, target.table_block_range,
-                       "block_table (the draft loop's, from begin_decode)",
-                       f"gpu_view.mha_block_table dtype "
-                       f"{target.fields.mha_block_table.dtype}")
+    low, high = geo.table_range
+    row_low, row_high = target.table_block_range
+    if low < row_low or high > row_high:
+        _scan_rows_fit(table, count, target.table_block_range, _DRAFT_TABLE,
+                       "gpu_view.mha_block_table dtype", target.fields.mha_block_table.dtype)
+
+
+_DRAFT_TABLE = "block_table (the draft loop's, from begin_decode)"
 
 
 def check_decode_view(geo: Geometry, target: ViewTarget, padded: int) -> None:
@@ -355,14 +359,15 @@ def check_commit_inputs(geo: Geometry, target: ViewTarget, append_counts: Any,
         geo.block_size_tokens)
     if code:
         _raise_commit_status(geo, code, culprit, counts, starts, columns)
-    if inherited is not None:
-        check_inherited_range(geo, inherited, num_prefill)
     check_rows_fit(table, num_prefill, target.table_block_range, "block_table",
-                   f"gpu_view.mha_block_table dtype {target.fields.mha_block_table.dtype}")
-    r, column = native.checks.first_bad_commit_block(
+                   "gpu_view.mha_block_table dtype", target.fields.mha_block_table.dtype)
+    code, r, column = _first_bad_commit_block(
         counts, starts if starts is not None else counts, starts is not None, table,
-        *kernel_optional(inherited), geo.block_size_tokens, target.token_block_range[1])
-    if r >= 0:
+        *kernel_optional(inherited), geo.block_size_tokens, geo.max_kv_block_count,
+        target.token_block_range[1])
+    if code == _INHERITED_OUT_OF_RANGE:
+        _raise_inherited_range(geo, inherited, r)
+    if code:
         start = 0 if starts is None else int(starts[r])
         _raise_written_block("block_table", int(table[r, column]), r, column,
                              f"request {r} (positions {start}..{start + int(counts[r]) - 1})",
@@ -431,12 +436,12 @@ def check_token_inputs(geo: Geometry, target: ViewTarget, rows: Any, positions: 
     if code:
         _raise_token_status(geo, code, t, rows_np, positions_np, table, inherited,
                             columns)
-    if inherited is not None:
-        check_inherited_range(geo, inherited, inherited.shape[0])
-    t = native.checks.first_bad_token_block(
+    code, t = _first_bad_token_block(
         rows_np, positions_np, table, *kernel_optional(inherited), geo.block_size_tokens,
-        target.token_block_range[1])
-    if t >= 0:
+        geo.max_kv_block_count, target.token_block_range[1])
+    if code == _INHERITED_OUT_OF_RANGE:
+        _raise_inherited_range(geo, inherited, int(rows_np[t]))
+    if code:
         row, column = int(rows_np[t]), int(positions_np[t]) // geo.block_size_tokens
         _raise_written_block("block_table", int(table[row, column]), row, column,
                              f"token {t} (position {int(positions_np[t])})", target)
@@ -483,8 +488,7 @@ def check_mha_inputs(geo: Geometry, target: ViewTarget, query_lengths: Any,
     _check_view_width(target, table.shape[1], "block_table width")
     if not on_device:
         check_rows_fit(table, table.shape[0], target.table_block_range, "block_table",
-                       f"gpu_view.mha_block_table dtype "
-                       f"{target.fields.mha_block_table.dtype}")
+                       "gpu_view.mha_block_table dtype", target.fields.mha_block_table.dtype)
         for name, lengths in (("query_lengths", q), ("kv_lengths", kv)):
             bad = _first_outside(lengths, 0, INT32_LIMIT)
             if bad >= 0:
@@ -501,36 +505,44 @@ def check_mha_inputs(geo: Geometry, target: ViewTarget, query_lengths: Any,
 
 
 # ------------------------------------------------------------------- block ids
-_HOLDS_ALL = {np.dtype(np.int32): (-2**31, 2**31 - 1), np.dtype(np.int64): (-2**63, 2**63 - 1)}
+_INT32_DTYPE = np.dtype(np.int32)
+_INT32_MIN, _INT32_MAX, _INT64_MIN = -2**31, 2**31 - 1, -2**63
 
 
 def check_rows_fit(table: np.ndarray, rows: int, bounds: Tuple[int, int], name: str,
-                   what: str) -> None:
-    """Every entry of ``table[:rows]`` (C-contiguous int32/int64 [B, W]) lies in
-    ``bounds`` (what ``what``, a destination dtype, holds); a ValueError naming the
-    entry, its value and ``what`` otherwise. Free when the source dtype fits: an int32
-    table into an int32 or int64 destination is never scanned."""
+                   what: str, dtype: Any) -> None:
+    """Every entry of ``table[:rows]`` (C-contiguous int32/int64 [B, W], as the input
+    converters return) lies in ``bounds``, the values ``dtype`` (named ``what`` in the
+    message, e.g. ``"gpu_view.mha_block_table dtype"``) holds; a ValueError naming the
+    entry, its value and the dtype otherwise. Free when the source dtype fits: an int32
+    table into an int32 or int64 destination is never scanned (and the message is
+    built only on a refusal: formatting a dtype costs more than the check)."""
     low, high = bounds
-    source_low, source_high = _HOLDS_ALL[table.dtype]
-    if low <= source_low and source_high <= high:
+    if table.dtype is _INT32_DTYPE:
+        if low <= _INT32_MIN and high >= _INT32_MAX:
+            return
+    elif low <= _INT64_MIN and high >= INT64_MAX:
         return
+    _scan_rows_fit(table, rows, bounds, name, what, dtype)
+
+
+def _scan_rows_fit(table: np.ndarray, rows: int, bounds: Tuple[int, int], name: str,
+                   what: str, dtype: Any) -> None:
+    low, high = bounds
     flat = table[:rows].reshape(-1)
     bad = _first_outside_closed(flat, low, high)
     if bad >= 0:
         row, column = divmod(bad, table.shape[1])
         raise ValueError(f"{name}: block id {int(flat[bad])} at [{row}, {column}] does "
-                         f"not fit {what} (range [{low}, {high}]); it would wrap around "
-                         "into another block")
+                         f"not fit {what} {dtype} (range [{low}, {high}]); it would wrap "
+                         "around into another block")
 
 
-def check_inherited_range(geo: Geometry, inherited: np.ndarray, count: int) -> None:
-    """``inherited[:count]`` lie in ``[0, W]``: a request inherits at most its whole
-    block table."""
-    width = geo.max_kv_block_count
-    bad = _first_outside(inherited[:count], 0, width + 1)
-    if bad >= 0:
-        raise ValueError(f"inherited_blocks: {int(inherited[bad])} at index {bad} "
-                         f"outside [0, max_kv_block_count {width}]")
+def _raise_inherited_range(geo: Geometry, inherited: np.ndarray, index: int) -> None:
+    """``inherited[index]`` lies outside ``[0, W]``: a request inherits at most its
+    whole block table."""
+    raise ValueError(f"inherited_blocks: {int(inherited[index])} at index {index} "
+                     f"outside [0, max_kv_block_count {geo.max_kv_block_count}]")
 
 
 def _raise_written_block(name: str, block: int, row: int, column: int, writer: str,

@@ -7,7 +7,10 @@ value. Helpers named ``_*`` are inlined into the kernels of their own file.
 What the kernels check, and what they trust:
 
 * **Scans** write nothing and return the first offending index (-1 when none):
-  ``checks.first_outside``, ``rows.first_row_outside`` / ``first_pair_outside``,
+  ``checks.first_outside`` / ``first_outside_closed``, the block-id scans
+  ``checks.first_bad_token_block`` / ``first_bad_commit_block`` (a ``checks`` code
+  beside the culprit) and ``first_bad_draft_block``,
+  ``rows.first_row_outside`` / ``first_pair_outside``,
   ``staging.offsets_in_table`` (a bool), ``staging.check_token_inputs`` and
   ``staging.check_commit_inputs`` (a ``staging`` code such as ``NEGATIVE_POSITION``
   beside the culprit's index). ``checks.min_max`` only reduces. The wrappers in

@@ -54,84 +54,105 @@ def first_outside_closed(values, low, high):
     return -1
 
 
+# Codes of ``first_bad_token_block`` / ``first_bad_commit_block`` (culprit beside).
+BLOCKS_OK = 0
+INHERITED_OUT_OF_RANGE = 1  # an inherited count outside [0, W]
+BAD_WRITTEN_BLOCK = 2  # a written block that is negative or above ``high``
+
+
 @njit(cache=True)
 def first_bad_token_block(rows, positions, block_table, inherited, has_inherited,
-                          block_size, high):
-    """First token ``t`` whose written block ``block_table[rows[t], positions[t] // BS]``
-    (a token not redirected to the dummy block by ``inherited``) is negative (an
-    unallocated block) or above ``high`` (does not fit the destination); -1 when none.
+                          block_size, width, high):
+    """Scan ``write_token_maps``' tokens; return ``(code, t)``, ``(BLOCKS_OK, -1)``
+    when all are good. INHERITED_OUT_OF_RANGE: token ``t``'s row has an inherited
+    count outside ``[0, width]``. BAD_WRITTEN_BLOCK: the block token ``t`` writes,
+    ``block_table[rows[t], positions[t] // BS]`` (a token not redirected to the dummy
+    block by ``inherited``), is negative (an unallocated block) or above ``high`` (does
+    not fit the destination). Rows and columns must already be in range
+    (``check_token_inputs``). rows, positions: int [T]; block_table: int [B, W];
+    inherited: int [> max(rows)].
 
-    Rows and columns must already be in range (``check_token_inputs``).
-    rows, positions: int [T]; block_table: int [B, W]; inherited: int [> max(rows)].
-
-    >>> table = np.array([[3, -1], [5, 300]])  # block size 8
+    >>> table = np.array([[3, -1], [5, 300]])  # block size 8, width 2
     >>> first_bad_token_block(np.array([0, 1, 0]), np.array([7, 9, 8]), table,
-    ...                       np.zeros(1, np.int64), False, 8, 127)  # 300 > 127
-    1
+    ...                       np.zeros(1, np.int64), False, 8, 2, 127)  # 300 > 127
+    (2, 1)
     >>> first_bad_token_block(np.array([0, 0]), np.array([7, 8]), table,
-    ...                       np.array([2, 0]), True, 8, 127)  # -1 is redirected
-    -1
+    ...                       np.array([2, 0]), True, 8, 2, 127)  # -1 is redirected
+    (0, -1)
+    >>> first_bad_token_block(np.array([1]), np.array([0]), table, np.array([0, 3]),
+    ...                       True, 8, 2, 127)  # row 1 inherits 3 > width 2
+    (1, 0)
     """
     for t in range(positions.shape[0]):
         row = rows[t]
         column = np.int64(positions[t]) // block_size
-        if has_inherited and column < inherited[row]:
-            continue
+        if has_inherited:
+            protected = inherited[row]
+            if protected < 0 or protected > width:
+                return INHERITED_OUT_OF_RANGE, t
+            if column < protected:
+                continue
         block = block_table[row, column]
         if block < 0 or block > high:
-            return t
-    return -1
+            return BAD_WRITTEN_BLOCK, t
+    return BLOCKS_OK, -1
 
 
 @njit(cache=True)
 def first_bad_commit_block(counts, starts, has_starts, block_table, inherited,
-                           has_inherited, block_size, high):
-    """``first_bad_token_block`` for a commit pass, by request: ``(r, column)`` of the
-    first block request ``r`` writes that is negative or above ``high``, else
-    ``(-1, -1)``. Request ``r`` writes positions ``starts[r] .. starts[r] + counts[r] -
-    1`` (from 0 without starts); columns below ``inherited[r]`` go to the dummy block.
-    Spans must already be in the table (``check_commit_inputs``).
+                           has_inherited, block_size, width, high):
+    """``first_bad_token_block`` for a commit pass, by request: ``(code, r, column)``,
+    ``(BLOCKS_OK, -1, -1)`` when all are good. Request ``r`` writes positions
+    ``starts[r] .. starts[r] + counts[r] - 1`` (from 0 without starts); columns below
+    ``inherited[r]`` go to the dummy block. INHERITED_OUT_OF_RANGE: ``inherited[r]``
+    outside ``[0, width]``; BAD_WRITTEN_BLOCK: the block at ``[r, column]`` is written
+    and negative or above ``high``. Spans must already be in the table
+    (``check_commit_inputs``).
 
-    >>> table = np.array([[3, -1], [5, 6]])  # block size 8
+    >>> table = np.array([[3, -1], [5, 6]])  # block size 8, width 2
     >>> first_bad_commit_block(np.array([9, 2]), np.array([0, 3]), True, table,
-    ...                        np.zeros(1, np.int64), False, 8, 127)
-    (0, 1)
+    ...                        np.zeros(1, np.int64), False, 8, 2, 127)
+    (2, 0, 1)
     >>> first_bad_commit_block(np.array([9, 2]), np.array([0, 3]), True, table,
-    ...                        np.array([2, 0]), True, 8, 127)
-    (-1, -1)
+    ...                        np.array([2, 0]), True, 8, 2, 127)
+    (0, -1, -1)
+    >>> first_bad_commit_block(np.array([9, 2]), np.array([0, 3]), True, table,
+    ...                        np.array([2, -1]), True, 8, 2, 127)
+    (1, 1, -1)
     """
     for r in range(counts.shape[0]):
+        protected = np.int64(0)
+        if has_inherited:
+            protected = np.int64(inherited[r])
+            if protected < 0 or protected > width:
+                return INHERITED_OUT_OF_RANGE, r, -1
         count = np.int64(counts[r])
         if count <= 0:
             continue
         start = np.int64(starts[r]) if has_starts else np.int64(0)
         first = start // block_size
         last = (start + count - 1) // block_size
-        if has_inherited and first < inherited[r]:
-            first = np.int64(inherited[r])
+        if first < protected:
+            first = protected
         for column in range(first, last + 1):
             block = block_table[r, column]
             if block < 0 or block > high:
-                return r, column
-    return -1, -1
+                return BAD_WRITTEN_BLOCK, r, column
+    return BLOCKS_OK, -1, -1
 
 
 @njit(cache=True)
-def first_bad_draft_block(offsets, block_table, count, block_size, high, check_rows,
-                          row_low, row_high):
-    """One draft depth's block scan; returns ``(code, i)``, ``(0, -1)`` when all good.
-
-    Code 1: row ``i``'s written block ``block_table[i, offsets[i] // BS]`` is negative
-    (an unallocated block) or above ``high``. Code 2 (only with ``check_rows``): an
-    entry of row ``i`` (the whole row reaches ``mha_block_table``) lies outside
-    ``[row_low, row_high]``. Offsets outside the table are skipped (the depth's own
-    check refuses them). offsets: int32 [>= count]; block_table: int [>= count, W].
+def first_bad_draft_block(offsets, block_table, count, block_size, high):
+    """One draft depth's written blocks: the first row ``i < count`` whose block
+    ``block_table[i, offsets[i] // BS]`` is negative (an unallocated block) or above
+    ``high``, else -1. Offsets outside the table are skipped (the depth's own check
+    refuses them). offsets: int32 [>= count]; block_table: int [>= count, W].
 
     >>> table = np.array([[3, -1], [-1, 4]])  # block size 8
-    >>> first_bad_draft_block(np.array([7, 8]), table, 2, 8, 127, False, 0, 0)
-    (0, -1)
-    >>> first_bad_draft_block(np.array([8, 8]), table, 2, 8, 127, False, 0, 0)
-    (1, 0)
+    >>> first_bad_draft_block(np.array([7, 8]), table, 2, 8, 127)
+    -1
+    >>> first_bad_draft_block(np.array([8, 8]), table, 2, 8, 127)  # row 0: column 1
+    0
     """
     width = block_table.shape[1]
     for i in range(count):
@@ -141,10 +162,5 @@ def first_bad_draft_block(offsets, block_table, count, block_size, high, check_r
             continue
         block = block_table[i, column]
         if block < 0 or block > high:
-            return 1, i
-        if check_rows:
-            for col in range(width):
-                value = block_table[i, col]
-                if value < row_low or value > row_high:
-                    return 2, i
-    return 0, -1
+            return i
+    return -1

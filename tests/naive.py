@@ -96,52 +96,45 @@ def first_outside_closed(values: np.ndarray, low: int, high: int) -> int:
     return _first((values < low) | (values > high))
 
 
-def _written_blocks(rows: np.ndarray, columns: np.ndarray, table: np.ndarray,
-                    protected: np.ndarray) -> np.ndarray:
-    """Per token: the block it writes from ``table``; 0 (legal) where redirected."""
-    blocks = table[rows, columns].astype(np.int64) if len(rows) else np.zeros(0, np.int64)
-    return np.where(columns < protected, 0, blocks)  # a redirected token writes D, fine
-
-
 def first_bad_token_block(rows: np.ndarray, positions: np.ndarray, table: np.ndarray,
-                          inherited: Optional[np.ndarray], block_size: int,
-                          high: int) -> int:
-    columns = positions.astype(np.int64) // block_size
-    protected = (inherited[rows].astype(np.int64) if inherited is not None
-                 else np.zeros(len(rows), np.int64))
-    blocks = _written_blocks(rows, columns, table, protected)
-    return _first((blocks < 0) | (blocks > high))
+                          inherited: Optional[np.ndarray], block_size: int, width: int,
+                          high: int) -> Tuple[int, int]:
+    for t, (row, position) in enumerate(zip(rows.tolist(), positions.tolist())):
+        column = position // block_size
+        if inherited is not None:
+            protected = int(inherited[row])
+            if not 0 <= protected <= width:
+                return 1, t
+            if column < protected:
+                continue
+        if not 0 <= int(table[row, column]) <= high:
+            return 2, t
+    return 0, -1
 
 
 def first_bad_commit_block(counts: np.ndarray, starts: Optional[np.ndarray],
                            table: np.ndarray, inherited: Optional[np.ndarray],
-                           block_size: int, high: int) -> Tuple[int, int]:
+                           block_size: int, width: int, high: int) -> Tuple[int, int, int]:
     for r, count in enumerate(counts.tolist()):
+        protected = 0 if inherited is None else int(inherited[r])
+        if not 0 <= protected <= width:
+            return 1, r, -1
         start = 0 if starts is None else int(starts[r])
         columns = sorted({p // block_size for p in range(start, start + count)})
         for column in columns:
-            if inherited is not None and column < int(inherited[r]):
-                continue
-            block = int(table[r, column])
-            if block < 0 or block > high:
-                return r, column
-    return -1, -1
+            if column >= protected and not 0 <= int(table[r, column]) <= high:
+                return 2, r, column
+    return 0, -1, -1
 
 
 def first_bad_draft_block(offsets: np.ndarray, table: np.ndarray, count: int,
-                          block_size: int, high: int, check_rows: bool, row_low: int,
-                          row_high: int) -> Tuple[int, int]:
-    for i in range(count):
-        position = int(offsets[i])
-        column = position // block_size
-        if position < 0 or column >= table.shape[1]:
-            continue
-        block = int(table[i, column])
-        if block < 0 or block > high:
-            return 1, i
-        if check_rows and ((table[i] < row_low) | (table[i] > row_high)).any():
-            return 2, i
-    return 0, -1
+                          block_size: int, high: int) -> int:
+    head = offsets[:count].astype(np.int64)
+    columns = head // block_size
+    inside = (head >= 0) & (columns < table.shape[1])
+    blocks = np.where(inside, table[np.arange(count), np.clip(columns, 0,
+                                                               table.shape[1] - 1)], 0)
+    return _first(inside & ((blocks < 0) | (blocks > high)))
 
 
 def min_max(values: np.ndarray, count: int) -> Tuple[int, int]:

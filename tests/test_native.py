@@ -180,31 +180,29 @@ def test_written_block_scans_match_naive(rng):
     for _ in range(CASES):
         num_rows = int(rng.integers(1, 5))
         table = _block_table(rng, num_rows, width)
-        inherited = rng.integers(0, width + 1, num_rows)
+        inherited = rng.integers(-1, width + 2, num_rows)  # -1 and W + 1 are refused
         has_inherited = bool(rng.integers(2))
         T = int(rng.integers(0, 10))
         rows = rng.integers(0, num_rows, T)
         positions = rng.integers(0, width * block_size, T)
         assert native.checks.first_bad_token_block(
-            rows, positions, table, inherited, has_inherited, block_size, high) == \
-            naive.first_bad_token_block(rows, positions, table,
-                                        inherited if has_inherited else None,
-                                        block_size, high)
+            rows, positions, table, inherited, has_inherited, block_size, width,
+            high) == naive.first_bad_token_block(
+                rows, positions, table, inherited if has_inherited else None, block_size,
+                width, high)
         counts = rng.integers(0, 6, num_rows)
         starts = rng.integers(0, width * block_size - 5, num_rows)
         has_starts = bool(rng.integers(2))
         assert native.checks.first_bad_commit_block(
             counts, starts, has_starts, table, inherited, has_inherited, block_size,
-            high) == naive.first_bad_commit_block(
+            width, high) == naive.first_bad_commit_block(
                 counts, starts if has_starts else None, table,
-                inherited if has_inherited else None, block_size, high)
+                inherited if has_inherited else None, block_size, width, high)
         offsets = rng.integers(-2, width * block_size + 3, num_rows).astype(np.int32)
         count = int(rng.integers(0, num_rows + 1))
-        check_rows = bool(rng.integers(2))
         assert native.checks.first_bad_draft_block(
-            offsets, table, count, block_size, high, check_rows, -1, 99) == \
-            naive.first_bad_draft_block(offsets, table, count, block_size, high,
-                                        check_rows, -1, 99)
+            offsets, table, count, block_size, high) == \
+            naive.first_bad_draft_block(offsets, table, count, block_size, high)
 
 
 # ---------------------------------------------------------------- staging: draft loop
