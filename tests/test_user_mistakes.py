@@ -396,10 +396,9 @@ def test_check_uses_the_inherited_counts_of_the_call_not_the_current_annotations
     meta.setup_commit_pass(view, [3, 2], TABLE[:2], start_positions=[2, 0],
                            inherited_blocks=meta.request_matched_prefix_blocks[paused:total])
     meta.request_matched_prefix_blocks[2] = 1  # request 1 (row 2) now inherits block 0
-    meta.check_invariants()
-    view.token_to_block_idx[3] = 20  # a broken redirect is still found...
-    meta.check_invariants()  # ... no: request 1 inherited nothing at the call
-    view.token_to_block_idx[0] = 10  # request 0: column 0 < inherited 1 -> must be D
+    meta.check_invariants()  # its token 3 wrote block 20, right for the call
+    view.token_to_block_idx[0] = 10  # a broken redirect is still found: request 0,
+    # column 0 < its inherited 1 at the call, must hold D
     with pytest.raises(InvariantError, match=r"inherited blocks: token 0 \(row 0"):
         meta.check_invariants()
 
