@@ -120,7 +120,7 @@ class MetadataState:
         return buffers, backend, Geometry(
             self.max_requests, self.max_kv_block_count, self.block_size_tokens,
             self.dummy_block_idx, self.hidden_size, self.hidden_dtype,
-            buffers.offsets.device, bool(mirror))
+            buffers.offsets.device, bool(mirror), runtime)
 
     def _install(self, buffers: Optional[PersistentBuffers], backend: Optional[Backend],
                  geometry: Optional[Geometry]) -> None:
