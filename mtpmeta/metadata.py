@@ -114,7 +114,7 @@ class MTPMetadata(MetadataState):
     # ------------------------------------------------------------------ lifecycle
     def allocate(self, device: Union[torch.device, str], *,
                  mirror: Optional[bool] = None, max_tokens: int = 16384,
-                 staging_slots: int = 4) -> None:
+                 staging_slots: int = 8) -> None:
         """Reserve the persistent buffers (and the host staging). No-op when disabled.
 
         Args:

@@ -136,6 +136,10 @@ def run_standard_steps(sim: CudaSim, seed: int, steps: int, slots: int = 4):
         for step in inputs:
             run_step(log, view, step, cfg)
         sim.synchronize()
+    # No async copy from pageable memory (on CUDA: a hidden sync, or a read of memory
+    # the caller may reuse) and no strided/converting H2D copy (a hidden temporary).
+    assert sim.pageable_async_copies == 0, sim.pageable_log
+    assert sim.staged_h2d_copies == 0, sim.staged_log
     return log.snapshots, ref_log.snapshots
 
 
