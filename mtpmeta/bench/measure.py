@@ -112,6 +112,11 @@ def _counts(meta: Any, view: Any, config: StepConfig,
             "draft_loop_allocations": draft_counter.new_storages}
 
 
+def fence_stalls(meta: Any) -> Optional[int]:
+    """The mirror path's fence waits that blocked the host so far (``None`` off it)."""
+    return getattr(getattr(meta, "_backend", None), "fence_stalls", None)
+
+
 def _floor_runs(config: StepConfig, steps: List[StepInputs],
                 device: torch.device) -> List[_Run]:
     """The CPU kernel floors, warmed: on pre-converted inputs, and converting each
@@ -147,6 +152,7 @@ def measure(config: StepConfig, steps: List[StepInputs], repeats: int,
                                                        device)
         runs.append(run)
         built[variant] = (meta, view, variant_config)
+    stalls_before = {variant: fence_stalls(built[variant][0]) for variant in rows}
     floor_runs: List[_Run] = []
     if with_floor and device.type == "cpu":
         floor_runs = _floor_runs(config, steps, device)
@@ -163,9 +169,14 @@ def measure(config: StepConfig, steps: List[StepInputs], repeats: int,
         meta, view, variant_config = built[variant]
         groups = {group: statistics.median(values) for group, values in run.per_group.items()}
         groups["draft depth"] /= config.depths
+        stalls = fence_stalls(meta)
+        timed_steps = repeats * len(run.steps) * (2 if run.groups is not None else 1)
         results[variant.label] = {
             "impl": variant.impl, "inputs": variant.inputs, "draft": variant.draft,
             "us_per_step": statistics.median(run.per_step), "us_per_group": groups,
+            # Fence waits that blocked the host, per timed step (None off the mirror).
+            "fence_stalls_per_step": None if stalls is None else
+            (stalls - stalls_before[variant]) / max(timed_steps, 1),
             **_counts(meta, view, variant_config, by_kind[variant.inputs])}
     floors = {run.label: statistics.median(run.per_step) for run in floor_runs}
     return results, floors
