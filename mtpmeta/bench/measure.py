@@ -12,6 +12,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -93,11 +94,33 @@ def _variant_run(variant: Variant, config: StepConfig, steps: List[StepInputs],
     return run, meta, view, config
 
 
+def cuda_syncs(run: Callable[[], None]) -> int:
+    """Host-device syncs CUDA reports while ``run()`` runs: every synchronizing call
+    PyTorch checks under ``torch.cuda.set_sync_debug_mode("warn")`` (``.item()``,
+    blocking uploads and read-backs, ``repeat_interleave`` and ``nonzero`` sizing),
+    one warning each."""
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
 def _counts(meta: Any, view: Any, config: StepConfig,
             steps: List[StepInputs]) -> Dict[str, Any]:
-    """Torch ops, syncs and draft-loop allocations of one warm step."""
+    """Torch ops, syncs and draft-loop allocations of one warm step. Syncs: on CUDA,
+    every sync CUDA reports (``cuda_syncs``); on the CPU, the scalar reads (what would
+    sync on a device)."""
     with OpCounter() as step_counter:
         run_step(meta, view, steps[0], config)
+    syncs = step_counter.scalar_reads
+    if view.token_to_block_idx.is_cuda:
+        torch.cuda.synchronize()
+        syncs = cuda_syncs(lambda: run_step(meta, view, steps[0], config))
     inputs = steps[1 % len(steps)]
     meta.begin_decode(config.active, config.padded_active, inputs.start_positions,
                       inputs.block_table, config.graphed)
@@ -108,7 +131,7 @@ def _counts(meta: Any, view: Any, config: StepConfig,
         meta.end_forward()
     return {"ops_per_step": step_counter.total, "data_ops_per_step": step_counter.data_ops,
             "ops_by_name": dict(step_counter.ops),
-            "syncs_per_step": step_counter.scalar_reads,
+            "syncs_per_step": syncs,
             "draft_loop_allocations": draft_counter.new_storages}
 
 
