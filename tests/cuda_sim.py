@@ -64,7 +64,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from mtpmeta.runtime import CopyFence, use_runtime
+from mtpmeta.runtime import TorchRuntime, use_runtime
 
 __all__ = ["CudaSim", "SimStream", "SimEvent", "SimGraph", "SimDeviceError",
            "CaptureSyncError", "PINNED", "DEVICE", "PAGEABLE"]
@@ -212,8 +212,10 @@ class _NoOpFence:
         pass
 
 
-class SimRuntime:
-    """The ``mtpmeta.runtime.DeviceRuntime`` the simulator installs."""
+class SimRuntime(TorchRuntime):
+    """The ``mtpmeta.runtime.DeviceRuntime`` the simulator installs: ``TorchRuntime``
+    with the CUDA primitives replaced (memory kinds, events, streams, capture state);
+    the fence factory is the real one."""
 
     def __init__(self, sim: "CudaSim") -> None:
         self.sim = sim
@@ -254,7 +256,7 @@ class SimRuntime:
         self.sim.fences_made += 1
         if self.sim.disable_fences:
             return _NoOpFence()
-        return CopyFence(device, self)
+        return super().fence(device)  # TorchRuntime's: the library's CopyFence
 
 
 class _SimMode(TorchDispatchMode):

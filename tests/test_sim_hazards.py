@@ -24,8 +24,8 @@ from mtpmeta import ContextGPUView, GraphCaptureError, MTPMetadata
 from mtpmeta.bench.workload import make_steps, run_step
 from tests.cuda_sim import DEVICE, PAGEABLE, CaptureSyncError, CudaSim, SimGraph
 from tests.helpers import config
-from tests.test_cuda_sim import (ForwardLog, assert_snapshots_equal, host,  # noqa: F401
-                                 make_sim, new_pair, random_call, run_standard_steps,
+from tests.test_cuda_sim import (ForwardLog, assert_no_hidden_copies,  # noqa: F401
+                                 assert_snapshots_equal, host, make_sim, new_pair, random_call, run_standard_steps,
                                  small_step_config, snapshot, view_snapshot)
 
 pytestmark = [
@@ -45,11 +45,6 @@ def upload(sim: CudaSim, array: Any, stream: Any = None) -> torch.Tensor:
         out = torch.empty(values.shape, dtype=values.dtype)
         out.copy_(values)
     return out
-
-
-def no_hidden_copies(sim: CudaSim) -> None:
-    assert sim.pageable_async_copies == 0, sim.pageable_log
-    assert sim.staged_h2d_copies == 0, sim.staged_log
 
 
 # ------------------------------------------------- hazard 1: device-route rows
@@ -98,7 +93,7 @@ def test_device_route_bad_rows_under_the_simulator_fault_nothing_and_never_sync(
         requests = sim.peek(view.token_to_request_idx[:4]).tolist()
     assert blocks == [D, D, 2 * W + 1, D]
     assert requests == [0, 2, 2, 2]
-    no_hidden_copies(sim)
+    assert_no_hidden_copies(sim)
 
 
 # --------------------------------------- hazard 2: persistent buffers, two streams
@@ -146,7 +141,7 @@ def alternate_streams(sim: CudaSim, seed: int, lanes: List[Any]):
             event.synchronize()
             results.append((label, {k: sim.peek(v) for k, v in snap.items()}, want))
         sim.synchronize()
-    no_hidden_copies(sim)
+    assert_no_hidden_copies(sim)
     return results
 
 
@@ -332,7 +327,7 @@ def test_a_standard_step_never_waits_on_its_own_work_with_default_slots(make_sim
             assert sim.stalls == stalls, f"K={depths}: the step waited on its own work"
         sim.synchronize()
     assert meta._backend.fence_stalls == 0
-    no_hidden_copies(sim)
+    assert_no_hidden_copies(sim)
 
 
 def test_fence_stalls_counts_every_wait_that_blocked(make_sim):
@@ -393,7 +388,7 @@ def device_input_steps(sim: CudaSim, seed: int = 0):
             meta.end_forward()
             ref.end_forward()
         sim.synchronize()
-    no_hidden_copies(sim)
+    assert_no_hidden_copies(sim)
     return log.snapshots, ref_log.snapshots
 
 
@@ -510,3 +505,21 @@ def test_a_per_stream_capture_check_lets_a_fence_query_invalidate_another_captur
             capture.__exit__(None, None, None)
         assert graph.invalidated
         sim.synchronize()
+
+
+def test_sim_flags_strided_and_converting_h2d_copies(make_sim):
+    """On CUDA these go through a pageable .contiguous() temporary and a device
+    empty_like (a hidden sync and an allocation); a plain contiguous one does not."""
+    sim = make_sim(idle=1.0)
+    with sim:
+        pinned = sim.host_empty((4, 4), torch.int32)
+        pinned.zero_()
+        target = torch.zeros((4, 4), dtype=torch.int32)
+        target.copy_(pinned, non_blocking=True)
+        assert sim.staged_h2d_copies == 0
+        target.copy_(pinned.t(), non_blocking=True)  # strided source
+        target64 = torch.zeros((4, 4), dtype=torch.int64)
+        target64.copy_(pinned, non_blocking=True)  # dtype conversion
+        target.copy_(pinned[:1], non_blocking=True)  # broadcast
+        sim.synchronize()
+    assert sim.staged_h2d_copies == 3, sim.staged_log
