@@ -292,9 +292,10 @@ def check_commit_inputs(geo: Geometry, target: ViewTarget, append_counts: Any,
                         padded_request_count: Any) -> CommitInputs:
     """``setup_commit_pass``'s inputs, values included (a device tensor is read back
     through the runtime: the documented sync)."""
-    if geo.mirror:
+    if geo.mirror:  # (a meta tensor is left to as_host_ints, which names it)
         append_counts, block_table, start_positions, inherited_blocks = (
-            geo.runtime.to_host(x) if is_device_tensor(x, geo.runtime) else x
+            geo.runtime.to_host(x) if is_device_tensor(x, geo.runtime)
+            and x.device.type != "meta" else x
             for x in (append_counts, block_table, start_positions, inherited_blocks))
     counts = as_host_counts(geo.max_requests, append_counts, "append_counts")
     num_prefill = counts.shape[0]
