@@ -71,6 +71,12 @@ def test_device_route_rows_outside_the_table_go_to_dummy(device_route):
                           inherited_blocks=torch.tensor([0, 1], dtype=torch.int32))
     assert view.token_to_block_idx[:2].tolist() == [D, int(table[1, 2])]
     assert view.token_to_request_idx[:2].tolist() == [1, 1]
+    # No usable row at all (an empty inherited_blocks): every token to D, request 0.
+    meta.write_token_maps(view, torch.tensor([0, 2], dtype=torch.int32),
+                          torch.tensor([1, 9], dtype=torch.int32), table, 2,
+                          inherited_blocks=torch.zeros(0, dtype=torch.int32))
+    assert view.token_to_block_idx[:2].tolist() == [D, D]
+    assert view.token_to_request_idx[:2].tolist() == [0, 0]
 
 
 def test_device_route_bad_rows_under_the_simulator_fault_nothing_and_never_sync(make_sim):
