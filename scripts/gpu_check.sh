@@ -67,8 +67,12 @@ if os.path.exists(path):
 summary["tests"] = tests
 summary["tests_passed"] = sum(v == "passed" for v in tests.values())
 summary["tests_not_passed"] = sorted(k for k, v in tests.items() if v != "passed")
-control = [k for k in tests if k.endswith("test_stress_detects_missing_fences")]
-summary["negative_control_failed_as_required"] = bool(control) and tests[control[0]] == "passed"
+# Negative controls: each passes only if its planted bug was caught.
+controls = ("test_stress_detects_missing_fences", "test_the_detector_trips_on_one_pageable_copy",
+            "test_two_streams_catch_a_planted_shared_device_stage")
+found = {name: [v for k, v in tests.items() if k.endswith(name)] for name in controls}
+summary["negative_controls"] = {name: bool(v) and v[0] == "passed" for name, v in found.items()}
+summary["negative_control_failed_as_required"] = all(summary["negative_controls"].values())
 # On a CUDA machine nothing may skip: a skipped or missing test is a failure, and so
 # is a simulate run that left no result.
 if summary["tests_not_passed"] or not tests or \
