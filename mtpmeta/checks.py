@@ -75,6 +75,7 @@ class Geometry:
     mirror: bool  # device tensors take the device-op route
     block_table_dtype: torch.dtype  # of the draft loop's block table
     table_range: Tuple[int, int]  # [low, high] a block_table_dtype entry can hold
+    runtime: Any = None  # the allocation's DeviceRuntime: tells device from host tensors
 
 
 @enum.unique
@@ -261,8 +262,8 @@ def check_begin_decode(geo: Geometry, active_request_count: Any, padded_count: A
     kernel (``raise_position_error`` decodes its refusal). The counts are checked as
     in ``check_decode_counts``."""
     count, padded = check_decode_counts(geo, active_request_count, padded_count)
-    if geo.mirror and (is_device_tensor(start_positions)
-                       or is_device_tensor(block_table_src)):
+    if geo.mirror and (is_device_tensor(start_positions, geo.runtime)
+                       or is_device_tensor(block_table_src, geo.runtime)):
         check_device_tensors(geo.device, (("start_positions", start_positions, 1),
                                           ("block_table_src", block_table_src, 2)))
         starts, table, on_device = start_positions, block_table_src, True
@@ -330,7 +331,7 @@ def check_prefill_lengths(geo: Geometry, append_counts: Any,
     """``(counts, pad_tokens, on_device)`` for ``stage_prefill_lengths``."""
     pad = as_count(pad_tokens, "pad_tokens", high=INT32_LIMIT - 1,
                    high_name="int32 length limit")
-    if geo.mirror and is_device_tensor(append_counts):
+    if geo.mirror and is_device_tensor(append_counts, geo.runtime):
         check_device_tensors(geo.device, (("append_counts", append_counts, 1),))
         if append_counts.shape[0] > geo.max_requests:
             raise ValueError(f"append_counts: shape {tuple(append_counts.shape)}, "
@@ -343,7 +344,13 @@ def check_commit_inputs(geo: Geometry, target: ViewTarget, append_counts: Any,
                         block_table: Any, start_positions: Any, inherited_blocks: Any,
                         padded_token_count: Any,
                         padded_request_count: Any) -> CommitInputs:
-    """``setup_commit_pass``'s inputs, values included (a device tensor is read back)."""
+    """``setup_commit_pass``'s inputs, values included (a device tensor is read back
+    through the runtime: the documented sync)."""
+    if geo.mirror:  # (a meta tensor is left to as_host_ints, which names it)
+        append_counts, block_table, start_positions, inherited_blocks = (
+            geo.runtime.to_host(x) if is_device_tensor(x, geo.runtime)
+            and x.device.type != "meta" else x
+            for x in (append_counts, block_table, start_positions, inherited_blocks))
     counts = as_host_counts(geo.max_requests, append_counts, "append_counts")
     num_prefill = counts.shape[0]
     table = as_host_ints(block_table, "block_table", ndim=2)
@@ -407,7 +414,7 @@ def check_token_inputs(geo: Geometry, target: ViewTarget, rows: Any, positions: 
                        inherited_blocks: Any) -> TokenInputs:
     """``write_token_maps``'s inputs; on the host, every token's row and position are
     scanned (``native.staging.check_token_inputs``) before anything is written."""
-    if geo.mirror and any(is_device_tensor(x) for x in
+    if geo.mirror and any(is_device_tensor(x, geo.runtime) for x in
                           (rows, positions, block_table, inherited_blocks)):
         named = (("rows", rows, 1), ("positions", positions, 1),
                  ("block_table", block_table, 2), ("inherited_blocks", inherited_blocks, 1))
@@ -467,7 +474,7 @@ def check_mha_inputs(geo: Geometry, target: ViewTarget, query_lengths: Any,
                      kv_lengths: Any, block_table: Any,
                      padded_request_count: Any) -> MhaInputs:
     """``write_mha_metadata``'s inputs; ``kv_lengths`` may be ``query_lengths`` itself."""
-    if geo.mirror and any(is_device_tensor(x) for x in
+    if geo.mirror and any(is_device_tensor(x, geo.runtime) for x in
                           (query_lengths, kv_lengths, block_table)):
         check_device_tensors(geo.device, (("query_lengths", query_lengths, 1),
                                           ("kv_lengths", kv_lengths, 1),

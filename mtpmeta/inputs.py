@@ -57,9 +57,12 @@ _first_outside = native.checks.first_outside
 # dtype) simply takes the slow path, which checks and converts everything.
 
 
-def is_device_tensor(value: Any) -> bool:
-    """True for a torch tensor that is not in host memory."""
-    return isinstance(value, torch.Tensor) and not value.is_cpu
+def is_device_tensor(value: Any, runtime: Any = None) -> bool:
+    """True for a torch tensor that is not in host memory: as ``runtime.is_device``
+    (``mtpmeta.runtime``, so a simulated device tensor counts) when one is given."""
+    if not isinstance(value, torch.Tensor):
+        return False
+    return runtime.is_device(value) if runtime is not None else not value.is_cpu
 
 
 def as_count(value: Any, name: str, *, low: int = 0, high: int | None = None,

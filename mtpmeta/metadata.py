@@ -149,7 +149,7 @@ class MTPMetadata(MetadataState):
     # ------------------------------------------------------------------ lifecycle
     def allocate(self, device: Union[torch.device, str], *,
                  mirror: Optional[bool] = None, max_tokens: int = 16384,
-                 staging_slots: int = 4) -> None:
+                 staging_slots: int = 8) -> None:
         """Reserve the persistent buffers (and the host staging). No-op when disabled.
 
         Args:
@@ -159,8 +159,9 @@ class MTPMetadata(MetadataState):
                 any device, the CPU included; ``False`` demands a CPU device.
             max_tokens: token capacity the mirror path's forward staging is sized for
                 (tokens one ``write_token_maps``/commit pass writes). A larger forward
-                re-sizes the staging once, outside the draft loop (which stages at most
-                ``max_requests`` tokens). Unused on the direct path.
+                re-sizes the staging once, to at least twice its size (ever-larger
+                forwards re-size O(log n) times), outside the draft loop (which stages
+                at most ``max_requests`` tokens). Unused on the direct path.
             staging_slots: pinned slots per staging ring on the mirror path: how many
                 staged forwards the host may run ahead of the device before a fence
                 wait stalls it (see README "Mirror path costs"). Unused on the direct

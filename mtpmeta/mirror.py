@@ -12,9 +12,22 @@ rewritten while any op that reads it may still be pending, on any stream.
 
 ``graphed=True`` means the MTP forward that follows replays a captured graph reading
 the view's fixed addresses; the setup itself runs here, eagerly, before each replay.
-Every call that stages refuses to run while the device's current stream is capturing
-(``GraphCaptureError``): captured, it would bake a pinned slot and the captured request
-count into the graph and leave the host's draft state behind the device's.
+Every call that stages refuses to run while a capture is underway on the device, as far
+as the runtime sees (``GraphCaptureError``): captured, it would bake a pinned slot and
+the captured request count into the graph and leave the host's draft state behind the
+device's; and a fence's event query during another stream's global-mode capture would
+invalidate that capture.
+
+Streams: the persistent buffers (offsets, block table, query/KV lengths, the carry) are
+one state. Every call that writes or reads them first orders itself after the previous
+such call when the current stream changed (``StreamOrder``: an event recorded on the
+previous stream, waited on by the current one), so a pass on stream B never rewrites a
+length that a forward issued on stream A has yet to read. View writers touch only the
+caller's view and their own slot's stage, and are not ordered.
+
+Caller device tensors that queued work reads (the carry's device hidden, device-route
+inputs) get ``record_stream`` on the current stream through the runtime, so a producer
+that allocated them on another stream may free them at once.
 
 Inputs that are already device tensors take ``DeviceRoute`` (``mirror_device.py``).
 
@@ -23,14 +36,20 @@ Cost note: a staged forward costs 1 H2D copy plus at most 7 device copies into t
 int32 token maps are one copy), 7-9 torch ops in all. The H2D copy is one contiguous
 byte range: copying strided pinned memory straight into the view would make PyTorch
 stage each non-contiguous H2D copy through a temporary (an allocation and a kernel);
-``staging_slots`` (default 4) bounds how many staged calls per ring the host can run
-ahead of the device before ``acquire`` waits on a fence. A standard step stages 3 draft
-depths and 1 commit pass through the forward ring, so 4 slots let the host issue a
-whole step ahead of the device without a stall.
+``staging_slots`` (default 8) bounds how many staged calls per ring the host can run
+ahead of the device before ``acquire`` waits on a fence. A standard step stages K draft
+depths and 1 commit pass through the forward ring, so 8 slots let the host issue a
+whole step with K up to 7 without waiting on its own work (``fence_stalls`` counts the
+waits that blocked).
+
+Growth: a forward larger than the forward staging re-sizes it to at least twice its
+size (geometric, so ever-growing forwards re-size O(log n) times), and the copy plans
+built on the dropped ring are purged from every view that holds them.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import List, Optional, Tuple
 
 import numpy as np
@@ -44,7 +63,7 @@ from .gpu_view import ViewFields, ViewTarget, kernel_args, view_entries
 from .inputs import kernel_optional
 from .layout import PackedLayout, numpy_dtype
 from .mirror_device import DeviceRoute
-from .runtime import DeviceRuntime, get_runtime
+from .runtime import DeviceRuntime, StreamOrder, get_runtime
 from .cache import BoundedCache
 from .staging import StagingRing, grouped
 
@@ -57,6 +76,8 @@ CopyPair = Tuple[Tensor, Tensor]  # (destination, source)
 # The int32 token maps, in one fixed order for grouped copies (a calling convention).
 _INT32_TOKEN_MAPS = ("token_to_block_idx", "token_to_local_position_within_kv_block",
                      "token_to_request_idx", "token_to_position_in_request")
+# Plan kinds built on one forward ring (their keys carry its generation at index 1).
+_RING_PLANS = frozenset({"args", "h2d", "staged", "tokens", "requests", "pair", "query"})
 
 
 def _pair_copies(dst_a: Tensor, dst_b: Tensor, src_a: Tensor, src_b: Tensor,
@@ -78,7 +99,7 @@ class MirrorBackend:
     mirror = True
 
     def __init__(self, buffers: PersistentBuffers, *, max_requests: int, block_size: int,
-                 dummy: int, max_tokens: int, num_slots: int = 4,
+                 dummy: int, max_tokens: int, num_slots: int = 8,
                  runtime: Optional[DeviceRuntime] = None) -> None:
         self.runtime = runtime if runtime is not None else get_runtime()
         self.buffers = buffers
@@ -122,37 +143,60 @@ class MirrorBackend:
         capacity = PackedLayout.build(view_entries(max_requests, max_tokens, width, _WIDEST),
                                       align=_ALIGN)
         self._generation = 0  # bumped when the forward staging is re-sized
+        self._retired_stalls = 0  # fence_stalls of replaced forward rings
         self._forward_ring = StagingRing(capacity.nbytes, num_slots, self.device, runtime,
                                          device_twin=True)
-        self.device_route = DeviceRoute(buffers, block_size=block_size, dummy=dummy)
+        self._planned: "weakref.WeakSet[ViewTarget]" = weakref.WeakSet()  # ring plans
+        self.device_route = DeviceRoute(buffers, block_size=block_size, dummy=dummy,
+                                        runtime=runtime)
         self._slices = BoundedCache(256)  # per-count views of the persistent buffers
+        self._order = StreamOrder(self.device, runtime)  # of the persistent buffers
+
+    @property
+    def fence_stalls(self) -> int:
+        """Fence waits so far that found their slot still in use (each a host stall)."""
+        rings = (self._begin_ring, self._lengths_ring, self._carry_ring, self._forward_ring)
+        return self._retired_stalls + sum(f.blocked for ring in rings for f in ring.fences)
 
     # ------------------------------------------------------------------ helpers
-    def refuse_capture(self, method: str) -> None:
-        """Raise ``GraphCaptureError`` (before anything is written) while the device's
-        current stream is capturing a CUDA graph."""
+    def refuse_capture(self, method: str, *, shared: bool = True) -> None:
+        """Raise ``GraphCaptureError`` (before anything is written) while a CUDA graph
+        capture is underway on the device (``runtime.is_capturing``); then, for a call
+        that touches the persistent buffers (``shared``), order it after the previous
+        such call on another stream (``StreamOrder``)."""
         if self.runtime.is_capturing(self.device):
             raise GraphCaptureError(
-                f"{method}: the current stream of {self.device} is capturing a CUDA graph. "
+                f"{method}: a CUDA graph capture is underway on {self.device}. "
                 "MTP metadata setup stages through pinned host memory and keeps host-side "
                 "draft state, so it runs eagerly before each replay (graphed=True), never "
                 "inside the capture; capture only the forward that reads the view")
+        if shared:
+            self._order.enter()
 
     def _grow(self, nbytes: int) -> None:
         """Re-size the forward staging for a forward larger than ``allocate`` planned.
 
         Only writers and commit passes can get here (a draft depth stages at most
-        ``max_requests`` tokens), never the draft loop. Waits on every slot's fence
-        first (each recorded after the ops reading that slot and its device stage), so
-        no pending op reads the buffers being dropped; plans built on them are retired
-        by bumping ``_generation``, which every plan key carries.
+        ``max_requests`` tokens), never the draft loop. The new size is at least twice
+        the old one, so forwards that keep growing re-size O(log n) times. Waits on
+        every slot's fence first (each recorded after the ops reading that slot and its
+        device stage), so no pending op reads the buffers being dropped; plans built on
+        them (keys carrying the old ``_generation``) are purged from every view that
+        holds some, so the old ring is freed.
         """
         ring = self._forward_ring
         for fence in ring.fences:
             fence.wait()
-        self._forward_ring = StagingRing(nbytes, ring.num_slots, self.device, self.runtime,
-                                         device_twin=True)
+        self._retired_stalls += sum(fence.blocked for fence in ring.fences)
+        self._forward_ring = StagingRing(max(nbytes, 2 * ring.slot_bytes), ring.num_slots,
+                                         self.device, self.runtime, device_twin=True)
         self._generation += 1
+        for target in list(self._planned):
+            plans = target.plans
+            for key in [key for key in plans
+                        if isinstance(key, tuple) and key[0] in _RING_PLANS]:
+                del plans[key]
+        self._planned.clear()
 
     def _prefix(self, name, tensor: Tensor, start: int, stop: int) -> Tensor:
         return self._slices.get_or_build((name, start, stop), lambda: tensor[start:stop])
@@ -176,6 +220,7 @@ class MirrorBackend:
         if args is None:
             args = kernel_args(layout.arrays(self._forward_ring.host_np[slot]))
             plans.put(args_key, args)
+            self._planned.add(target)
         return slot, layout, args[0], args[1]
 
     def _flush(self, target: ViewTarget, slot: int, layout: PackedLayout, tokens: int,
@@ -370,7 +415,7 @@ class MirrorBackend:
     def write_token_maps(self, target: ViewTarget, rows: np.ndarray,
                          positions: np.ndarray, table: np.ndarray,
                          inherited: Optional[np.ndarray], padded: int) -> None:
-        self.refuse_capture("write_token_maps")
+        self.refuse_capture("write_token_maps", shared=False)
         slot, layout, token_args, _ = self._shadow(target, padded, None)
         native.staging.write_token_maps(
             rows, positions, table, *kernel_optional(inherited), padded, self.block_size,
@@ -380,7 +425,7 @@ class MirrorBackend:
     def write_mha_metadata(self, target: ViewTarget, query_lengths: np.ndarray,
                            kv_lengths: np.ndarray, count: int, table: np.ndarray,
                            padded: int) -> None:
-        self.refuse_capture("write_mha_metadata")
+        self.refuse_capture("write_mha_metadata", shared=False)
         slot, layout, _, request_args = self._shadow(target, 0, padded)
         native.staging.write_mha_metadata(query_lengths, kv_lengths, count, table,
                                           table.shape[0], padded, self.dummy, *request_args)
@@ -389,13 +434,13 @@ class MirrorBackend:
     def write_token_maps_device(self, target: ViewTarget, rows: Tensor, positions: Tensor,
                                 table: Tensor, inherited: Optional[Tensor],
                                 padded: int) -> None:
-        self.refuse_capture("write_token_maps")
+        self.refuse_capture("write_token_maps", shared=False)
         self.device_route.write_token_maps(target, rows, positions, table, inherited, padded)
 
     def write_mha_metadata_device(self, target: ViewTarget, query_lengths: Tensor,
                                   kv_lengths: Tensor, count: int, table: Tensor,
                                   padded: int) -> None:
-        self.refuse_capture("write_mha_metadata")
+        self.refuse_capture("write_mha_metadata", shared=False)
         self.device_route.write_mha_metadata(target, query_lengths, kv_lengths, count, table,
                                              padded)
 
@@ -403,8 +448,10 @@ class MirrorBackend:
     def carry_hidden(self, source: Tensor) -> None:
         """Copy ``source`` (broadcastable to ``[1, 1, H]``) into the persistent carry.
 
-        A device tensor is copied on the stream (ordered before any later use, and the
-        caching allocator keeps it alive for that copy). A host tensor is first copied
+        A device tensor is copied on the stream (ordered before any later use) and
+        ``record_stream``-ed there, so the caching allocator keeps it alive for that copy
+        even if its producer allocated it on another stream and frees it at once. A
+        host tensor is first copied
         into a fenced pinned slot, so the async copy never reads pageable memory the
         caller may free or overwrite right after this call returns.
         """
@@ -412,6 +459,7 @@ class MirrorBackend:
         target = self.buffers.chunk_boundary_hidden
         if not self.runtime.is_host(source):
             target.copy_(source, non_blocking=True)
+            self.runtime.record_stream(source, self.device)
             return
         ring = self._carry_ring
         slot = ring.acquire()

@@ -5,20 +5,29 @@ Reading them back would be a sync, so this route computes the same results with 
 ops on the device. Their values are not checked (that would be the sync): a block
 column outside the table (a negative position or one past ``W * BS``) is clamped for
 the gather and its token sent to the dummy block ``D``, exactly as the host route's
-writers would never write a real block for it. The draft depth here allocates nothing:
-it writes through fixed views of the persistent buffers and of the destination view.
+writers would never write a real block for it. Likewise a ``write_token_maps`` row
+outside ``[0, rows of block_table)`` (or of ``inherited_blocks``) is clamped on the
+device, with no sync and no device-side assert, and its token goes to ``D``: where the
+host route raises IndexError, this route writes no real block. The draft depth here
+allocates nothing: it writes through fixed views of the persistent buffers and of the
+destination view.
+
+Every caller tensor this route reads is ``record_stream``-ed on the current stream
+through the runtime (``mtpmeta.runtime``), so its producer may free it right after the
+call even when it allocated it on another stream.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
 from .buffers import PersistentBuffers
 from .gpu_view import ViewTarget
+from .runtime import get_runtime
 
 __all__ = ["DeviceRoute"]
 
@@ -50,24 +59,34 @@ class DecodeViews:
 class DeviceRoute:
     """Device ops over the persistent buffers and the destination view."""
 
-    def __init__(self, buffers: PersistentBuffers, *, block_size: int, dummy: int) -> None:
+    def __init__(self, buffers: PersistentBuffers, *, block_size: int, dummy: int,
+                 runtime: Any = None) -> None:
+        self.runtime = runtime if runtime is not None else get_runtime()
         self.buffers = buffers
         self.block_size = block_size
         self.dummy = dummy
         requests, width = buffers.block_table.shape
         self.width = width
         device = buffers.offsets.device
+        self.device = device
         # Draft-depth scratch: [R] int64 columns, [R] bool x2, [R, 1] gathered blocks.
         self._columns = torch.zeros(requests, dtype=torch.int64, device=device)
         self._outside = torch.zeros((2, requests), dtype=torch.bool, device=device)
         self._gathered = torch.zeros((requests, 1), dtype=buffers.block_table.dtype,
                                      device=device)
 
+    def _in_use(self, *tensors: Optional[Tensor]) -> None:
+        """Tell the caching allocator the current stream reads these caller tensors."""
+        for tensor in tensors:
+            if tensor is not None:
+                self.runtime.record_stream(tensor, self.device)
+
     # ---------------------------------------------------------------- draft loop
     def begin_decode(self, count: int, start_positions: Tensor, table_src: Tensor) -> None:
         buffers = self.buffers
         buffers.offsets[:count].copy_(start_positions[:count], non_blocking=True)
         buffers.block_table[:count].copy_(table_src[:count], non_blocking=True)
+        self._in_use(start_positions, table_src)
 
     def decode_step(self, target: ViewTarget, count: int, padded: int) -> None:
         """One draft depth from the persistent device buffers alone."""
@@ -144,6 +163,7 @@ class DeviceRoute:
         max_requests = lengths.shape[0]
         if num_prefill:
             lengths[:num_prefill].copy_(counts, non_blocking=True)
+            self._in_use(counts)
         if pad_tokens > 0 and num_prefill < max_requests:
             lengths[num_prefill:num_prefill + 1].fill_(pad_tokens)
             return num_prefill + 1
@@ -154,25 +174,40 @@ class DeviceRoute:
     # -------------------------------------------------------------------- writers
     def write_token_maps(self, target: ViewTarget, rows: Tensor, positions: Tensor,
                          table: Tensor, inherited: Optional[Tensor], padded: int) -> None:
-        """Device-op token maps (allocates temporaries; values unchecked: a column
-        outside the table sends that token to the dummy block instead)."""
+        """Device-op token maps (allocates temporaries; values unchecked, no sync).
+
+        A token whose block column lies outside the table, or whose row lies outside
+        ``[0, usable)`` (``usable``: rows of ``table``, and of ``inherited`` when given;
+        -1 and ``usable`` included), goes to the dummy block ``D``. Such a row is
+        clamped into ``[0, usable)`` for the gathers and is the ``token_to_request_idx``
+        written (an index every per-request array has); its local offset and positions
+        are written as given. With ``usable == 0`` every token goes to ``D`` with
+        request index 0.
+        """
         f = target.fields
         block, local = f.token_to_block_idx, f.token_to_local_position_within_kv_block
         count = positions.shape[0]
         if count:
+            self._in_use(rows, positions, table, inherited)
+            usable = table.shape[0] if inherited is None else min(table.shape[0],
+                                                                  inherited.shape[0])
             rows_long = rows.long()
+            bad_row = (rows_long < 0) | (rows_long >= usable)
+            safe_rows = rows_long.clamp(0, max(usable - 1, 0))
             columns = torch.div(positions, self.block_size, rounding_mode="floor").long()
-            outside = (columns < 0) | (columns >= table.shape[1])
-            blocks = table[rows_long, columns.clamp(0, table.shape[1] - 1)]
-            redirect = outside
-            if inherited is not None:
-                redirect = redirect | (columns < inherited[rows_long])
-            block[:count].copy_(blocks.masked_fill(redirect, self.dummy))
+            redirect = (columns < 0) | (columns >= table.shape[1]) | bad_row
+            if usable and table.shape[1]:
+                blocks = table[safe_rows, columns.clamp(0, table.shape[1] - 1)]
+                if inherited is not None:
+                    redirect = redirect | (columns < inherited[safe_rows])
+                block[:count].copy_(blocks.masked_fill(redirect, self.dummy))
+            else:
+                block[:count].fill_(self.dummy)
             if local.dtype == positions.dtype:
                 torch.remainder(positions, self.block_size, out=local[:count])
             else:
                 local[:count].copy_(torch.remainder(positions, self.block_size))
-            f.token_to_request_idx[:count].copy_(rows)
+            f.token_to_request_idx[:count].copy_(safe_rows)
             f.token_to_position_in_request[:count].copy_(positions)
             f.token_to_pos_ids[:count].copy_(positions)
         if padded > count:
@@ -183,6 +218,7 @@ class DeviceRoute:
                            kv_lengths: Tensor, count: int, table: Tensor,
                            padded: int) -> None:
         """Device-op MHA metadata (no read-back; lengths are not checked)."""
+        self._in_use(query_lengths, kv_lengths, table)
         f = target.fields
         cu_q, cu_kv = f.mha_cu_query_seq_lengths, f.mha_cu_kv_seq_lengths
         mha_q, mha_kv, mha_table = f.mha_query_lengths, f.mha_kv_seq_lengths, f.mha_block_table

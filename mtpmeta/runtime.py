@@ -5,15 +5,22 @@ Everything the mirror path asks of CUDA *besides* plain torch ops goes through o
 
 * ``host_empty(shape, dtype)`` -- page-locked host memory for staging (pinned when CUDA
   is present), so ``non_blocking`` copies from it are truly asynchronous;
-* ``is_host(tensor)`` -- whether a tensor lives in host memory (then the mirror path
-  stages it through pinned memory before an async copy, never copying pageable memory
-  ``non_blocking``);
+* ``is_host(tensor)`` / ``is_device(tensor)`` -- whether a tensor lives in host or
+  device memory (a host one is staged through pinned memory before an async copy, never
+  copied pageable ``non_blocking``; a device one takes the device-op route);
+* ``to_host(tensor)`` -- a host copy of a device tensor (a documented sync);
+* ``record_stream(tensor, device)`` -- tell the caching allocator a caller's device
+  tensor is read by work queued on the device's current stream, so freeing it right
+  after the call cannot hand its memory to another stream's allocation first;
 * ``fence(device)`` -- a ``CopyFence`` that marks when the device stops reading a
   staging slot (the fence factory of the staging rings);
 * ``event(device)`` / ``current_stream(device)`` -- what a fence records, and where;
-* ``is_capturing(device)`` -- whether the device's current stream is capturing a CUDA
-  graph (ring-using calls refuse to run then: a capture would bake a pinned slot and
-  a host-side decision into the graph).
+* ``is_capturing(device)`` -- whether a CUDA graph capture is underway on the device,
+  as far as the runtime can see (ring-using calls refuse to run then: a capture would
+  bake a pinned slot and a host-side decision into the graph, and a fence's event
+  query during a global-mode capture invalidates it). ``TorchRuntime`` sees the
+  current stream of this thread only: PyTorch has no public query for a capture on
+  another thread's stream (see ``TorchRuntime.is_capturing``).
 
 ``TorchRuntime`` is the real one. Tests install a CUDA-semantics simulator through
 ``use_runtime`` (and only through it): the library never looks at test switches.
@@ -26,7 +33,8 @@ from typing import Any, Iterator, Optional, Protocol, Sequence
 
 import torch
 
-__all__ = ["DeviceRuntime", "TorchRuntime", "CopyFence", "get_runtime", "use_runtime"]
+__all__ = ["DeviceRuntime", "TorchRuntime", "CopyFence", "StreamOrder", "get_runtime",
+           "use_runtime"]
 
 
 class DeviceEvent(Protocol):
@@ -40,6 +48,9 @@ class DeviceRuntime(Protocol):
 
     def host_empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor: ...
     def is_host(self, tensor: torch.Tensor) -> bool: ...
+    def is_device(self, tensor: torch.Tensor) -> bool: ...
+    def to_host(self, tensor: torch.Tensor) -> torch.Tensor: ...
+    def record_stream(self, tensor: torch.Tensor, device: torch.device) -> None: ...
     def event(self, device: torch.device) -> Optional[DeviceEvent]: ...
     def current_stream(self, device: torch.device) -> Any: ...
     def is_capturing(self, device: torch.device) -> bool: ...
@@ -53,16 +64,18 @@ class CopyFence:
     current device's), after every op that reads the slot was issued; ``wait()`` blocks
     the host only while that work is still pending (an event query, then an event
     synchronize: never a stream or device sync). A runtime with no event for the device
-    (the CPU: copies there are synchronous) makes both calls no-ops.
+    (the CPU: copies there are synchronous) makes both calls no-ops. ``blocked`` counts
+    the waits that found the work still pending (each one a host stall).
     """
 
-    __slots__ = ("_runtime", "_device", "_event", "_recorded")
+    __slots__ = ("_runtime", "_device", "_event", "_recorded", "blocked")
 
     def __init__(self, device: torch.device, runtime: Optional[DeviceRuntime] = None) -> None:
         self._runtime = runtime if runtime is not None else get_runtime()
         self._device = device
         self._event = self._runtime.event(device)
         self._recorded = False
+        self.blocked = 0
 
     def record(self) -> None:
         if self._event is not None:
@@ -72,7 +85,41 @@ class CopyFence:
     def wait(self) -> None:
         event = self._event
         if event is not None and self._recorded and not event.query():
+            self.blocked += 1
             event.synchronize()
+
+
+class StreamOrder:
+    """Orders the writers of shared device buffers across a change of stream.
+
+    The persistent buffers (offsets, block table, query/KV lengths, the carry) are one
+    state, written by whichever stream is current. ``enter()`` runs before each call
+    that writes (or reads) them: when the current stream differs from the one the last
+    such call ran on, it records an event on that previous stream *now* (so the event
+    covers the previous writer and every op issued there after it, such as the forward
+    that read the buffers) and makes the current stream wait on it. On one stream it
+    costs a stream look-up and a comparison; on the CPU (no events) nothing.
+    """
+
+    __slots__ = ("_runtime", "_device", "_event", "_stream", "switches")
+
+    def __init__(self, device: torch.device, runtime: Optional[DeviceRuntime] = None) -> None:
+        self._runtime = runtime if runtime is not None else get_runtime()
+        self._device = device
+        self._event = self._runtime.event(device)
+        self._stream: Any = None
+        self.switches = 0  # stream changes ordered so far
+
+    def enter(self) -> None:
+        if self._event is None:
+            return
+        stream = self._runtime.current_stream(self._device)
+        previous = self._stream
+        if previous is not None and stream != previous:
+            self._event.record(previous)
+            stream.wait_event(self._event)
+            self.switches += 1
+        self._stream = stream
 
 
 class TorchRuntime:
@@ -84,6 +131,16 @@ class TorchRuntime:
     def is_host(self, tensor: torch.Tensor) -> bool:
         return tensor.is_cpu
 
+    def is_device(self, tensor: torch.Tensor) -> bool:
+        return not tensor.is_cpu
+
+    def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.cpu()
+
+    def record_stream(self, tensor: torch.Tensor, device: torch.device) -> None:
+        if tensor.is_cuda and device.type == "cuda":
+            tensor.record_stream(torch.cuda.current_stream(device))
+
     def event(self, device: torch.device) -> Optional[DeviceEvent]:
         return torch.cuda.Event() if device.type == "cuda" else None
 
@@ -91,6 +148,15 @@ class TorchRuntime:
         return torch.cuda.current_stream(device) if device.type == "cuda" else None
 
     def is_capturing(self, device: torch.device) -> bool:
+        """Whether this thread's current stream of ``device`` is capturing.
+
+        Limit: a capture on another thread's stream is invisible here (PyTorch exposes
+        only ``is_current_stream_capturing``). Under it, in CUDA's default global
+        capture mode, a staging call's fence query would invalidate that capture: a
+        multithreaded server capturing while another thread stages must capture with
+        ``capture_error_mode="thread_local"`` (or "relaxed"). The simulator's runtime
+        sees every stream, and tests pin the refusal there.
+        """
         if device.type != "cuda":
             return False
         if device.index is None or device.index == torch.cuda.current_device():

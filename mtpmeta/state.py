@@ -142,7 +142,7 @@ class MetadataState:
             self.max_requests, self.max_kv_block_count, self.block_size_tokens,
             self.dummy_block_idx, self.hidden_size, self.hidden_dtype,
             buffers.offsets.device, bool(mirror), self.block_table_dtype,
-            dtype_range(self.block_table_dtype))
+            dtype_range(self.block_table_dtype), runtime)
 
     def _install(self, buffers: Optional[PersistentBuffers], backend: Optional[Backend],
                  geometry: Optional[Geometry]) -> None:

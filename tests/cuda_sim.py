@@ -18,11 +18,23 @@ pinned-slot reuse race). Ops whose result the host needs (``.item()``, ``equal``
 data-dependent shapes, blocking copies) drain the queues first and count as a sync.
 
 Events, ``stream.wait_event``, ``with sim.capture(graph)`` (ops recorded, not run; a
-sync inside raises like CUDA) and ``graph.replay()`` follow CUDA's rules. The library
-reaches the simulator only through ``mtpmeta.runtime.use_runtime`` (entered by ``with
-sim:``): ``host_empty``, ``event``, ``current_stream``, ``is_capturing`` and ``fence``,
-the last returning the library's own ``CopyFence`` unless ``disable_fences`` (the
-negative control) asks for a no-op fence. Nothing inside the library is patched.
+sync inside raises like CUDA) and ``graph.replay()`` follow CUDA's rules. Captures run
+on a side stream, as ``torch.cuda.graph`` does; capturing the legacy default stream is
+refused. Captures are global-mode: an event query or sync anywhere invalidates every
+capture underway, and work issued on another stream meanwhile is counted
+(``uncaptured_during_capture``). The library reaches the simulator only through
+``mtpmeta.runtime.use_runtime`` (entered by ``with sim:``): ``host_empty``,
+``is_host``/``is_device``/``to_host`` (by storage kind, so simulated device tensors take
+the library's device route), ``record_stream``, ``event``, ``current_stream``,
+``is_capturing`` (any stream) and ``fence``, the last returning the library's own
+``CopyFence`` unless ``disable_fences`` (the negative control) asks for a no-op fence.
+Nothing inside the library is patched.
+
+Allocator model: each device storage remembers the stream current when it was made.
+``sim.free(tensor)`` is its owner dropping it: the caching allocator may hand the block
+to the next allocation on that stream at once, so a queued op on *another* stream that
+still reads it, with no ``record_stream`` for that stream, is a use after free
+(``unsafe_frees``).
 
 An op that raises when it executes is a device-side fault: recorded, and re-raised as
 ``SimDeviceError`` at every later sync (CUDA's sticky error). Copies are modelled
@@ -30,11 +42,14 @@ pessimistically: an async copy from *pageable* memory is counted
 (``pageable_async_copies``) and, like a pinned one, reads its source when it executes
 (real CUDA would hide a stream sync in it instead; either is a hazard).
 
+H2D copies that are strided, dtype-converting or broadcasting are counted
+(``staged_h2d_copies``): on CUDA they go through a pageable ``.contiguous()`` temporary
+and a device ``empty_like``, a hidden sync and an allocation.
+
 Not simulated: "device" tensors are CPU tensors, so library code that branches on
-``tensor.is_cpu`` takes its host route for them, and ``.cpu()``/``.numpy()``/
-``.tolist()`` read them without any aten op (no sync is seen, and the value may be one
-the device has not written yet). There is no caching-allocator model, so freeing memory
-a queued op still reads (a missing ``record_stream``) is invisible.
+``tensor.is_cpu`` (rather than the runtime) takes its host route for them, and
+``.cpu()``/``.numpy()``/``.tolist()`` read them without any aten op (no sync is seen,
+and the value may be one the device has not written yet).
 """
 
 from __future__ import annotations
@@ -49,7 +64,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from mtpmeta.runtime import CopyFence, use_runtime
+from mtpmeta.runtime import TorchRuntime, use_runtime
 
 __all__ = ["CudaSim", "SimStream", "SimEvent", "SimGraph", "SimDeviceError",
            "CaptureSyncError", "PINNED", "DEVICE", "PAGEABLE"]
@@ -72,14 +87,16 @@ class CaptureSyncError(RuntimeError):
 
 
 class _Item:
-    __slots__ = ("run", "label", "wait_for", "reads_pinned")
+    __slots__ = ("run", "label", "wait_for", "reads_pinned", "storages")
 
     def __init__(self, run: Optional[Callable[[], Any]], label: str,
-                 wait_for: Optional[tuple] = None, reads_pinned: bool = False) -> None:
+                 wait_for: Optional[tuple] = None, reads_pinned: bool = False,
+                 storages: frozenset = frozenset()) -> None:
         self.run = run
         self.label = label
         self.wait_for = wait_for  # (stream, target): runnable once stream.executed >= target
         self.reads_pinned = reads_pinned
+        self.storages = storages  # ids of the storages the op touches
 
 
 class SimStream:
@@ -186,6 +203,8 @@ class SimGraph:
 class _NoOpFence:
     """The negative control's fence: records nothing, never waits."""
 
+    blocked = 0
+
     def record(self) -> None:
         pass
 
@@ -193,8 +212,10 @@ class _NoOpFence:
         pass
 
 
-class SimRuntime:
-    """The ``mtpmeta.runtime.DeviceRuntime`` the simulator installs."""
+class SimRuntime(TorchRuntime):
+    """The ``mtpmeta.runtime.DeviceRuntime`` the simulator installs: ``TorchRuntime``
+    with the CUDA primitives replaced (memory kinds, events, streams, capture state);
+    the fence factory is the real one."""
 
     def __init__(self, sim: "CudaSim") -> None:
         self.sim = sim
@@ -205,6 +226,22 @@ class SimRuntime:
     def is_host(self, tensor: torch.Tensor) -> bool:
         return self.sim.kind(tensor) != DEVICE
 
+    def is_device(self, tensor: torch.Tensor) -> bool:
+        return self.sim.kind(tensor) == DEVICE
+
+    def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A blocking D2H copy: a sync, then a pageable host copy."""
+        sim = self.sim
+        sim._host_sync("to_host (blocking D2H copy)")
+        with sim.bypass():
+            return tensor.clone()
+
+    def record_stream(self, tensor: torch.Tensor, device: torch.device) -> None:
+        sim = self.sim
+        sim.record_streams += 1
+        sim._recorded_streams.setdefault(tensor.untyped_storage()._cdata, set()).add(
+            sim.current_stream)
+
     def event(self, device: torch.device) -> SimEvent:
         return SimEvent(self.sim)
 
@@ -212,14 +249,14 @@ class SimRuntime:
         return self.sim.current_stream
 
     def is_capturing(self, device: torch.device) -> bool:
-        return self.sim.current_stream.capture is not None
+        return self.sim.capturing()  # any stream: the device's capture is global
 
     def fence(self, device: torch.device) -> Any:
         self.sim._tick()
         self.sim.fences_made += 1
         if self.sim.disable_fences:
             return _NoOpFence()
-        return CopyFence(device, self)
+        return super().fence(device)  # TorchRuntime's: the library's CopyFence
 
 
 class _SimMode(TorchDispatchMode):
@@ -279,6 +316,8 @@ class CudaSim:
         self.streams: List[SimStream] = [self.default_stream]
         self.current_stream = self.default_stream
         self._kinds: Dict[int, str] = {}
+        self._made_on: Dict[int, SimStream] = {}  # device storage id -> allocating stream
+        self._recorded_streams: Dict[int, set] = {}  # storage id -> record_stream streams
         self._keep: List[Any] = []  # registered storages stay alive: ids never reused
         self._executing = False
         self._stack: Optional[contextlib.ExitStack] = None
@@ -298,6 +337,11 @@ class CudaSim:
         self.executed = 0
         self.max_pending = 0
         self.max_inflight_events = 0
+        self.staged_h2d_copies = 0  # strided / converting H2D copies (hidden temporaries)
+        self.staged_log: List[str] = []
+        self.unsafe_frees: List[str] = []  # frees a queued op on another stream still reads
+        self.record_streams = 0
+        self.uncaptured_during_capture = 0  # ops issued elsewhere during a global capture
 
     # ------------------------------------------------------------ activation
     def __enter__(self) -> "CudaSim":
@@ -321,7 +365,27 @@ class CudaSim:
     def _register(self, tensor: torch.Tensor, kind: str) -> None:
         storage = tensor.untyped_storage()
         self._kinds[storage._cdata] = kind
+        if kind == DEVICE:
+            self._made_on[storage._cdata] = self.current_stream
         self._keep.append(storage)
+
+    def free(self, tensor: torch.Tensor) -> None:
+        """The owner drops a device tensor (its allocating stream may reuse the block at
+        once): flag every queued op on another stream that still touches it without a
+        ``record_stream`` for that stream."""
+        key = tensor.untyped_storage()._cdata
+        owner = self._made_on.get(key)
+        recorded = self._recorded_streams.get(key, set())
+        for stream in self.streams:
+            if stream is owner or stream in recorded:
+                continue
+            for item in stream.queue:
+                if key in item.storages:
+                    self.unsafe_frees.append(
+                        f"freed a {tuple(tensor.shape)} {tensor.dtype} tensor made on "
+                        f"{owner.name if owner else '?'} while {item.label} queued on "
+                        f"{stream.name} still reads it (no record_stream)")
+                    break
 
     def host_empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """Pinned host memory (what the sim runtime hands the library)."""
@@ -365,15 +429,22 @@ class CudaSim:
             self.current_stream = previous
 
     @contextlib.contextmanager
-    def capture(self, graph: SimGraph) -> Iterator[SimGraph]:
-        """Capture on the current stream: its ops are recorded into ``graph``."""
-        stream = self.current_stream
+    def capture(self, graph: SimGraph,
+                stream: Optional[SimStream] = None) -> Iterator[SimGraph]:
+        """Capture on ``stream`` (default: a new side stream, as ``torch.cuda.graph``
+        uses), made current inside the block: its ops are recorded into ``graph``.
+        Capturing the legacy default stream is refused, as CUDA refuses it."""
+        stream = stream if stream is not None else self.Stream("capture")
+        if stream is self.default_stream:
+            raise RuntimeError("capture: the legacy default stream cannot be captured "
+                               "(cudaErrorStreamCaptureUnsupported)")
         if stream.capture is not None:
             raise RuntimeError("capture: the stream is already capturing")
         graph.sim = self
         stream.capture = graph
         try:
-            yield graph
+            with self.stream(stream):
+                yield graph
         finally:
             stream.capture = None
         if graph.invalidated:
@@ -395,6 +466,8 @@ class CudaSim:
         if stream.capture is not None:
             stream.capture.items.append(item)
             return
+        if self.capturing():
+            self.uncaptured_during_capture += 1
         stream.queue.append(item)
         stream.issued += 1
         self.issued += 1
@@ -402,8 +475,10 @@ class CudaSim:
         if pending > self.max_pending:
             self.max_pending = pending
 
-    def _enqueue(self, run: Callable[[], Any], label: str, reads_pinned: bool = False) -> None:
-        self._push(self.current_stream, _Item(run, label, None, reads_pinned))
+    def _enqueue(self, run: Callable[[], Any], label: str, reads_pinned: bool = False,
+                 tensors: Sequence[torch.Tensor] = ()) -> None:
+        storages = frozenset(t.untyped_storage()._cdata for t in tensors)
+        self._push(self.current_stream, _Item(run, label, None, reads_pinned, storages))
 
     def _wait_event(self, stream: SimStream, event: SimEvent) -> None:
         if event.captured:
@@ -515,7 +590,7 @@ class CudaSim:
             self._host_sync(f"{func} (the host needs the result)")
             return func(*args, **kwargs)
         if schema.is_mutable:
-            self._enqueue(lambda: func(*args, **kwargs), str(func))
+            self._enqueue(lambda: func(*args, **kwargs), str(func), tensors=tensors)
             return self._mutated(func, args, kwargs)
         try:
             meta = func(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
@@ -543,7 +618,7 @@ class CudaSim:
                 if isinstance(out, torch.Tensor):
                     out.copy_(value)
 
-        self._enqueue(run, str(func))
+        self._enqueue(run, str(func), tensors=tensors)
         return spec.unflatten(outs)
 
     @staticmethod
@@ -582,9 +657,16 @@ class CudaSim:
             self.pageable_async_copies += 1
             self.pageable_log.append(f"non_blocking copy of {tuple(src.shape)} "
                                      f"{src.dtype} from pageable host memory")
+        if crosses and to_device and (src.dtype != dst.dtype or src.shape != dst.shape
+                                      or not src.is_contiguous() or not dst.is_contiguous()):
+            self.staged_h2d_copies += 1
+            self.staged_log.append(f"H2D copy of {tuple(src.shape)} {src.dtype} "
+                                   f"(strides {src.stride()}) into {tuple(dst.shape)} "
+                                   f"{dst.dtype} (strides {dst.stride()})")
         label = "H2D copy" if crosses and to_device else "D2H copy" if crosses else "D2D copy"
         self._enqueue(lambda: _COPY(dst, src, non_blocking), label,
-                      reads_pinned=crosses and to_device and src_kind == PINNED)
+                      reads_pinned=crosses and to_device and src_kind == PINNED,
+                      tensors=(dst, src))
         if crosses and not non_blocking:
             self._host_sync(f"blocking {label}", streams=[self.current_stream])
         return dst

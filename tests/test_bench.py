@@ -96,8 +96,11 @@ def test_bench_cli_writes_json_with_every_implementation(tmp_path, capsys):
             assert row["syncs_per_step"] == 0, row
             assert row["draft_loop_allocations"] == 0, row
         assert row["data_ops_per_step"] <= row["ops_per_step"]
+        # The fence-stall column: mirror rows only (CPU fences never block).
+        assert row["fence_stalls_per_step"] == (0 if row["impl"] == "mirror" else None)
     printed = capsys.readouterr().out
     assert "views identical" in printed and "speed-up" in printed
+    assert "fence stalls/step" in printed
     assert "torch/numpy" in printed and "target:" in printed
 
 

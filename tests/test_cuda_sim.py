@@ -101,6 +101,12 @@ class ForwardLog:
         return call
 
 
+def assert_no_hidden_copies(sim: CudaSim) -> None:
+    """No async copy from pageable memory and no strided/converting H2D copy so far."""
+    assert sim.pageable_async_copies == 0, sim.pageable_log
+    assert sim.staged_h2d_copies == 0, sim.staged_log
+
+
 def assert_snapshots_equal(ours: List[Tuple[str, Dict[str, torch.Tensor]]],
                            theirs: List[Tuple[str, Dict[str, torch.Tensor]]]) -> None:
     assert len(ours) == len(theirs)
@@ -136,6 +142,9 @@ def run_standard_steps(sim: CudaSim, seed: int, steps: int, slots: int = 4):
         for step in inputs:
             run_step(log, view, step, cfg)
         sim.synchronize()
+    # No async copy from pageable memory (on CUDA: a hidden sync, or a read of memory
+    # the caller may reuse) and no strided/converting H2D copy (a hidden temporary).
+    assert_no_hidden_copies(sim)
     return log.snapshots, ref_log.snapshots
 
 
@@ -481,6 +490,7 @@ def test_graphed_replay_with_fewer_real_requests_sends_pad_rows_to_dummy(make_si
                 meta.advance_decode_step()
             meta.end_forward()
         sim.synchronize()
+        assert_no_hidden_copies(sim)
     expected = []
     for n, starts, table in rounds:
         ref.begin_decode(n, P, starts, table, True)
@@ -556,6 +566,7 @@ def test_setup_calls_refuse_to_run_while_capturing_and_change_nothing(make_sim, 
         assert issubclass(GraphCaptureError, RuntimeError)
         assert graph.items == [], f"the refused call recorded {len(graph.items)} device ops"
         assert sim.captured_event_records == 0
+        assert sim.uncaptured_during_capture == 0, "the refused call issued work elsewhere"
         after = (snapshot(meta, view), meta.forward_mode, meta.active_request_count,
                  meta.padded_count, meta.chunk_boundary_valid)
         assert before[1:] == after[1:]
@@ -567,6 +578,7 @@ def test_setup_calls_refuse_to_run_while_capturing_and_change_nothing(make_sim, 
             log.advance_decode_step()
             ref_log.advance_decode_step()
         sim.synchronize()
+        assert_no_hidden_copies(sim)
     assert_snapshots_equal([("refused call", after[0])], [("before it", before[0])])
     assert_snapshots_equal(log.snapshots, ref_log.snapshots)
 
@@ -622,6 +634,7 @@ def test_host_offsets_stay_true_across_replays(make_sim):
             ref.advance_decode_step()
             offsets.append(meta.offsets.clone())
         sim.synchronize()
+        assert_no_hidden_copies(sim)
     assert depth == 3, "the depth past the table's end was not refused"
     for index, (got, want) in enumerate(zip(replays, expected)):
         assert torch.equal(got, want), f"replay {index}:\nsim {got}\nref {want}"
@@ -663,6 +676,7 @@ def test_two_streams_never_corrupt_each_others_staged_forwards(make_sim):
                 except AssertionError as error:
                     failures.append(f"seed {seed}, forward {index}: {error}")
             sim.synchronize()
+            assert_no_hidden_copies(sim)
     assert not failures, "\n".join(failures[:3])
 
 
@@ -698,6 +712,7 @@ def test_staging_regrow_while_copies_are_queued_is_safe(make_sim):
             event.synchronize()
             got = {k: sim.peek(v) for k, v in snap.items()}
             assert_snapshots_equal([(f"forward {index}", got)], [("", want)])
+            assert_no_hidden_copies(sim)
 
 
 # -------------------------------------------- hazard 9: ring reuse under capture
@@ -726,6 +741,7 @@ def test_ring_using_calls_are_refused_under_capture_and_leave_no_pinned_read(mak
         assert graph.pinned_reads == 0, (
             f"the capture recorded {graph.pinned_reads} copies from pinned staging slots")
         assert sim.captured_event_records == 0, "a staging fence was recorded in the capture"
+        assert sim.uncaptured_during_capture == 0, "the refused call issued work elsewhere"
         assert GraphCaptureError is not None, _NO_REFUSAL_TYPE
         assert refused, f"{method} ran under capture instead of raising GraphCaptureError"
         meta.end_forward()
@@ -737,6 +753,7 @@ def test_ring_using_calls_are_refused_under_capture_and_leave_no_pinned_read(mak
             with sim.bypass():
                 getattr(ref_log, method)(ref_view, *args, **kwargs)
         sim.synchronize()
+        assert_no_hidden_copies(sim)
     assert_snapshots_equal(log.snapshots, ref_log.snapshots)
 
 
@@ -763,16 +780,18 @@ def test_carry_from_a_pageable_host_hidden_is_never_an_async_pageable_copy(make_
 
 def test_carry_from_a_device_hidden_is_ordered_before_later_writes(make_sim):
     """A device hidden: a write the caller queues after the call cannot reach the
-    carried value. (The library tells host from device by ``tensor.is_cpu``, which a
-    simulated device tensor cannot fake, so a library that stages host tensors through
-    pinned memory takes that route here too: its sync is allowed.)"""
+    carried value, and the carry itself makes no sync. (The library tells host from
+    device through the runtime, so the simulated device hidden takes the device copy.)"""
     values = torch.randn(8)
     sim = make_sim(idle=1.0)
     with sim:
         meta, _, _ = new_pair(sim, views=0)
         hidden = torch.zeros((1, 8))
         hidden.copy_(values.view(1, 8))  # a blocking upload, before the measured part
+        syncs = sim.syncs
         meta.carry_chunk_boundary(hidden, 4, 9)
+        assert sim.syncs == syncs, sim.sync_reasons[syncs:]
+        assert sim.record_streams == 1  # the caller's tensor is covered for the copy
         hidden.fill_(-1.0)
         carried = meta.take_chunk_boundary(4, 9).clone()
         sim.synchronize()
@@ -793,6 +812,7 @@ def stage_ahead(make_sim, slots: int, forwards: int, seed: int = 0, **lag: Any):
             getattr(meta, method)(view, *args, **kwargs)
             stalls.append(sim.stalls)
         sim.synchronize()
+        assert_no_hidden_copies(sim)
     return stalls, sim
 
 
@@ -833,4 +853,5 @@ def steps_ahead_of_a_stalled_device(make_sim, slots: int, steps: int = 4) -> int
                 break
             done += 1
         sim.synchronize()
+        assert_no_hidden_copies(sim)
     return done

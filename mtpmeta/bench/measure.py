@@ -12,6 +12,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -93,11 +94,33 @@ def _variant_run(variant: Variant, config: StepConfig, steps: List[StepInputs],
     return run, meta, view, config
 
 
+def cuda_syncs(run: Callable[[], None]) -> int:
+    """Host-device syncs CUDA reports while ``run()`` runs: every synchronizing call
+    PyTorch checks under ``torch.cuda.set_sync_debug_mode("warn")`` (``.item()``,
+    blocking uploads and read-backs, ``repeat_interleave`` and ``nonzero`` sizing),
+    one warning each."""
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
 def _counts(meta: Any, view: Any, config: StepConfig,
             steps: List[StepInputs]) -> Dict[str, Any]:
-    """Torch ops, syncs and draft-loop allocations of one warm step."""
+    """Torch ops, syncs and draft-loop allocations of one warm step. Syncs: on CUDA,
+    every sync CUDA reports (``cuda_syncs``); on the CPU, the scalar reads (what would
+    sync on a device)."""
     with OpCounter() as step_counter:
         run_step(meta, view, steps[0], config)
+    syncs = step_counter.scalar_reads
+    if view.token_to_block_idx.is_cuda:
+        torch.cuda.synchronize()
+        syncs = cuda_syncs(lambda: run_step(meta, view, steps[0], config))
     inputs = steps[1 % len(steps)]
     meta.begin_decode(config.active, config.padded_active, inputs.start_positions,
                       inputs.block_table, config.graphed)
@@ -108,8 +131,13 @@ def _counts(meta: Any, view: Any, config: StepConfig,
         meta.end_forward()
     return {"ops_per_step": step_counter.total, "data_ops_per_step": step_counter.data_ops,
             "ops_by_name": dict(step_counter.ops),
-            "syncs_per_step": step_counter.scalar_reads,
+            "syncs_per_step": syncs,
             "draft_loop_allocations": draft_counter.new_storages}
+
+
+def fence_stalls(meta: Any) -> Optional[int]:
+    """The mirror path's fence waits that blocked the host so far (``None`` off it)."""
+    return getattr(getattr(meta, "_backend", None), "fence_stalls", None)
 
 
 def _floor_runs(config: StepConfig, steps: List[StepInputs],
@@ -147,6 +175,7 @@ def measure(config: StepConfig, steps: List[StepInputs], repeats: int,
                                                        device)
         runs.append(run)
         built[variant] = (meta, view, variant_config)
+    stalls_before = {variant: fence_stalls(built[variant][0]) for variant in rows}
     floor_runs: List[_Run] = []
     if with_floor and device.type == "cpu":
         floor_runs = _floor_runs(config, steps, device)
@@ -163,9 +192,14 @@ def measure(config: StepConfig, steps: List[StepInputs], repeats: int,
         meta, view, variant_config = built[variant]
         groups = {group: statistics.median(values) for group, values in run.per_group.items()}
         groups["draft depth"] /= config.depths
+        stalls = fence_stalls(meta)
+        timed_steps = repeats * len(run.steps) * (2 if run.groups is not None else 1)
         results[variant.label] = {
             "impl": variant.impl, "inputs": variant.inputs, "draft": variant.draft,
             "us_per_step": statistics.median(run.per_step), "us_per_group": groups,
+            # Fence waits that blocked the host, per timed step (None off the mirror).
+            "fence_stalls_per_step": None if stalls is None else
+            (stalls - stalls_before[variant]) / max(timed_steps, 1),
             **_counts(meta, view, variant_config, by_kind[variant.inputs])}
     floors = {run.label: statistics.median(run.per_step) for run in floor_runs}
     return results, floors

@@ -44,6 +44,10 @@ def table(config: StepConfig, results: Dict[str, Dict[str, Any]], device: str,
             f"{groups['commit pass']:>8.1f}{speedup:>8.1f}x{row['ops_per_step']:>6}"
             f"{row['data_ops_per_step']:>9}{row['syncs_per_step']:>6}"
             f"{row['draft_loop_allocations']:>13}")
+    stalls = [f"{label} {row['fence_stalls_per_step']:.2f}" for label, row in results.items()
+              if row.get("fence_stalls_per_step") is not None]
+    if stalls:
+        lines.append("fence stalls/step (host waits on its own staging): " + ", ".join(stalls))
     for label, inputs, what in (
             ("kernel floor", "numpy", "the direct path's numba kernels alone, inputs "
              "pre-converted"),

@@ -3,10 +3,11 @@
 Failure stories: a sync hidden in the draft loop or the commit pass (caught by sync
 debug mode), a captured forward replayed with fewer real requests than were captured
 reading stale rows, a pinned staging slot rewritten while its async copy is still queued
-behind slow GPU work (with a negative control that must fail), two streams sharing
-staging, a device start position past the table killing the CUDA context, and a
-pageable hidden copied ``non_blocking``. Expected values are computed first (the direct
-path or the reference on the CPU), so the raced regions hold no sync.
+behind slow GPU work (with a negative control that must fail), and a device start
+position past the table killing the CUDA context. Expected values are computed first
+(the direct path or the reference on the CPU), so the raced regions hold no sync. The
+host-ahead detector, the carry, two overlapping streams and the bench's sync count are
+in ``test_cuda_host_ahead.py``.
 """
 
 from __future__ import annotations
@@ -222,6 +223,10 @@ def _run_stress(runtime, rounds=24, T=32):
     meta, view = _gpu(runtime)
     snaps = torch.zeros((rounds, view.buffer.numel()), dtype=torch.uint8, device=CUDA)
     slots = meta._backend._forward_ring.num_slots
+    # Warm every kernel first: a lazily loaded module's first launch can synchronise
+    # the context inside the window, which would make the result depend on test order.
+    meta.write_token_maps(view, rows[0], pos[0], table, T + 8)
+    snaps[0].copy_(view.buffer, non_blocking=True)
     torch.cuda.synchronize()
     asleep = torch.cuda.Event()
     torch.cuda._sleep(SLEEP)
@@ -247,26 +252,6 @@ def test_stress_detects_missing_fences():
     """Negative control: with no-op fences the same stress MUST see corrupted rounds."""
     bad, ran_ahead = _run_stress(_NoFenceRuntime())
     assert ran_ahead and bad, "the stress test cannot see a missing fence"
-
-
-def test_two_streams_each_get_their_own_staged_data():
-    """Forwards alternate between two streams, each slowed at random: every forward's
-    view must hold exactly its own data (each slot owns its device stage)."""
-    rounds = 8
-    table, rows, pos = _token_inputs(rounds, seed=21)
-    expected = _expected_buffers(table, rows, pos, 40)
-    meta, _ = _gpu()
-    views = [ContextGPUView(R, TOKENS, W, CUDA) for _ in range(rounds)]
-    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
-    torch.cuda.synchronize()
-    for i in range(rounds):
-        with torch.cuda.stream(streams[i % 2]):
-            if i % 3 == 0:
-                torch.cuda._sleep(SLEEP // 4)
-            meta.write_token_maps(views[i], rows[i], pos[i], table, 40)
-    torch.cuda.synchronize()
-    for i in range(rounds):
-        assert torch.equal(views[i].buffer.cpu(), expected[i]), i
 
 
 def test_device_start_past_the_table_does_not_kill_the_context():
@@ -311,18 +296,3 @@ def test_commit_pass_device_block_table_is_the_documented_sync():
             meta.setup_commit_pass(view, counts, device_table)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-
-
-def test_carry_copies_a_pageable_hidden_safely_and_a_device_hidden_on_the_stream():
-    meta, _ = _gpu()
-    H = CONFIG.hidden_size
-    hidden = torch.arange(H, dtype=torch.float32)  # pageable host memory
-    torch.cuda._sleep(SLEEP // 4)  # the copy stays queued while the caller moves on
-    meta.carry_chunk_boundary(hidden, 3, 7)
-    hidden.fill_(-1.0)  # the caller reuses its tensor right away
-    torch.cuda.synchronize()
-    assert meta.take_chunk_boundary(3, 7).view(-1).cpu().tolist() == list(range(H))
-    on_device = torch.full((1, 1, H), 2.5, device=CUDA)
-    meta.carry_chunk_boundary(on_device, 4, 9)
-    torch.cuda.synchronize()
-    assert meta.take_chunk_boundary(4, 9).eq(2.5).all()
