@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import fields
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -172,11 +173,34 @@ def test_kernel_floor_that_skips_work_is_caught(monkeypatch, capsys):
     assert "kernel floor step differs" in capsys.readouterr().err
 
 
-def test_cold_start_runs_new_processes_and_reports_the_warm_median():
+def test_cold_start_compiles_into_a_fresh_cache_then_reports_the_warm_median(
+        monkeypatch, tmp_path):
+    """The cold process must start from an empty numba cache of its own (it used to
+    reuse whatever the bench's earlier work had cached: "cold" read as warm), write
+    the compiled kernels there, and the warm runs must load them from the same place.
+    A cache the caller left warm must not be used."""
     config = StepConfig(max_requests=32, active=16, block_columns=16, block_size=16,
                         prefill_tokens=32, depths=2)
+    caller_cache = tmp_path / "caller-cache"
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(caller_cache))
+    seen = []
+    real_run = bench_measure.subprocess.run
+
+    def run(*args, env=None, **kwargs):
+        cache = Path(env["NUMBA_CACHE_DIR"])
+        seen.append((cache, sum(1 for p in cache.rglob("*") if p.is_file())))
+        return real_run(*args, env=env, **kwargs)
+
+    monkeypatch.setattr(bench_measure.subprocess, "run", run)
     result = bench_measure.cold_start(config, warm_runs=2)
-    runs = result["warm_cache_runs_s"]
+    assert len(seen) == 3
+    caches = {cache for cache, _ in seen}
+    assert len(caches) == 1 and caller_cache not in caches  # one fresh cache for all
+    assert [files for _, files in seen][0] == 0  # the cold run starts empty
+    assert all(files > 0 for _, files in seen[1:])  # the warm runs find it filled
+    assert result["cache_files_written"] == seen[1][1]
+    runs = result["warm_runs_s"]
     assert len(runs) == 2 and all(run > 0 for run in runs)
-    assert result["warm_cache_s"] == pytest.approx(sum(runs) / 2)  # median of two
-    assert result["first_run_s"] > 0
+    assert result["warm_s"] == pytest.approx(sum(runs) / 2)  # median of two
+    assert result["compile_s"] == pytest.approx(result["cold_s"] - result["warm_s"])
+    assert not next(iter(caches)).exists()  # removed afterwards
