@@ -204,3 +204,43 @@ def test_cold_start_compiles_into_a_fresh_cache_then_reports_the_warm_median(
     assert result["warm_s"] == pytest.approx(sum(runs) / 2)  # median of two
     assert result["compile_s"] == pytest.approx(result["cold_s"] - result["warm_s"])
     assert not next(iter(caches)).exists()  # removed afterwards
+
+
+def _pass_orders(monkeypatch, seed: int, repeats: int):
+    """The labels ``measure`` times, pass by pass (whole steps only)."""
+    timed = []
+    real = bench_measure._Run.time_steps
+
+    def record(run, device):
+        timed.append(run.label)
+        real(run, device)
+
+    monkeypatch.setattr(bench_measure._Run, "time_steps", record)
+    config = StepConfig(max_requests=32, active=16, block_columns=16, block_size=16,
+                        prefill_tokens=32, depths=2)
+    results, floors = bench_measure.measure(config, make_steps(config, 2), repeats,
+                                            torch.device("cpu"), order_seed=seed)
+    rows = len(results) + len(floors)
+    warm = len(floors)  # _floor_runs times each floor once to warm it
+    timed = timed[warm:]
+    assert len(timed) == rows * repeats
+    return [timed[i:i + rows] for i in range(0, len(timed), rows)], results
+
+
+def test_every_pass_times_each_row_once_in_a_seeded_varying_order(monkeypatch):
+    """A row timed right after a heavy one pays its cache misses. With one fixed order
+    the torch-input kernel floor always ran right after the numpy floor, on the same
+    buffers, and printed faster than the numpy floor it only adds work to. Each pass
+    must time every row once, no row may always follow the same neighbour, and the
+    order must repeat for the same seed."""
+    passes, results = _pass_orders(monkeypatch, seed=0, repeats=6)
+    for order in passes:
+        assert sorted(order) == sorted(passes[0])  # every row once per pass
+    assert len({tuple(order) for order in passes}) > 1
+    before_torch_floor = {order[order.index("kernel floor, torch inputs") - 1]
+                          if order.index("kernel floor, torch inputs") else None
+                          for order in passes}
+    assert len(before_torch_floor) > 1, before_torch_floor
+    assert all(len(row["us_by_pass"]) == 6 for row in results.values())
+    again, _ = _pass_orders(monkeypatch, seed=0, repeats=6)
+    assert again == passes
