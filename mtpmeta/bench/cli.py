@@ -30,7 +30,7 @@ import torch
 
 from .measure import cold_start, load_now, machine_load, measure, sweep
 from .report import LEGEND, TARGETS_NOTE, load_lines, plot, spread_line, table, target_lines
-from .usage import (ToolParser, device_problem, missing_module, output_problem,
+from .usage import (ToolParser, device_problem, missing_module, output_problem, parse,
                     positive_int, usage_error)
 from .variants import check_identical, floor_matches, implementations
 from .workload import StepConfig, make_steps
@@ -135,8 +135,10 @@ def _usage_problem(args) -> Optional[str]:
 def main(argv: Optional[List[str]] = None) -> int:
     """Run ``mtpmeta bench`` with ``argv``; 0, 1 when a path disagrees with the
     reference (or the kernel floor with the direct path) before any timing, 2 for an
-    option that cannot work (one line on stderr, before any work)."""
-    args = _parser().parse_args(argv)
+    option that cannot work (one line on stderr, before any work); 0 after --help."""
+    args, status = parse(_parser(), argv)
+    if args is None:
+        return status
     problem = _usage_problem(args)
     if problem:
         return usage_error(PROG, problem)

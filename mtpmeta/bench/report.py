@@ -16,7 +16,8 @@ from .workload import StepConfig
 __all__ = ["TARGETS", "LEGEND", "TARGETS_NOTE", "table", "target_lines", "spread_line",
            "load_lines", "plot"]
 
-#: The project's performance goals for this design (BENCHMARKS.md, "Targets"), checked
+#: The project's performance goals for this design (BENCHMARKS.md, "Targets of this
+#: revision"), checked
 #: and printed by every CPU run.
 TARGETS = {"direct_vs_floor": 1.35, "direct_speedup": 15.0, "torch_vs_numpy": 1.10,
            "mirror_ops": 32}
@@ -34,7 +35,8 @@ columns: µs/step = median wall time of one standard step over the interleaved p
 
 #: Where the ``target:`` lines come from and what a miss means.
 TARGETS_NOTE = """\
-targets: the project's performance goals for this design (BENCHMARKS.md, "Targets").
+targets: the project's performance goals for this design (BENCHMARKS.md, "Targets of
+  this revision").
   MISSED means slower, or more torch ops, than the goal; it does not mean wrong
   results: every path was checked against the reference first (a mismatch exits 1),
   and a missed target leaves the exit status 0."""

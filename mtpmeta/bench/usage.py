@@ -12,11 +12,11 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
 
-__all__ = ["HelpFormatter", "ToolParser", "usage_error", "positive_int", "device_problem",
+__all__ = ["HelpFormatter", "ToolParser", "parse", "usage_error", "positive_int", "device_problem",
            "output_problem", "install_hint", "missing_module"]
 
 
@@ -43,6 +43,17 @@ class ToolParser(argparse.ArgumentParser):
 
     def error(self, message: str):  # type: ignore[override]
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def parse(parser: argparse.ArgumentParser, argv: Optional[List[str]]
+          ) -> Tuple[Optional[argparse.Namespace], int]:
+    """``(args, 0)``, or ``(None, status)`` once ``--help`` (0) or a malformed option
+    (2, its one line already printed) ended the parse: a command's ``main`` returns
+    that status instead of raising SystemExit."""
+    try:
+        return parser.parse_args(argv), 0
+    except SystemExit as exit_:
+        return None, exit_.code if isinstance(exit_.code, int) else 2
 
 
 def usage_error(prog: str, message: str) -> int:

@@ -9,8 +9,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from ..bench.usage import ToolParser, device_problem, output_problem, positive_int, \
-    usage_error
+from ..bench.usage import ToolParser, device_problem, output_problem, parse, \
+    positive_int, usage_error
 from .config import SimConfig
 from .runner import PATHS, run_path
 
@@ -139,7 +139,11 @@ def summary(report: Dict[str, Any]) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = _parser().parse_args(argv)
+    """Run ``mtpmeta simulate`` with ``argv``; 0, 1 on the first mismatch, 2 for an
+    option that cannot work (one line on stderr, before any work); 0 after --help."""
+    args, status = parse(_parser(), argv)
+    if args is None:
+        return status
     steps = args.steps if args.steps is not None else (
         QUICK_STEPS if args.quick else DEFAULT_STEPS)
     problem = device_problem(args.device) or (
