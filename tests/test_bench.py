@@ -244,3 +244,39 @@ def test_every_pass_times_each_row_once_in_a_seeded_varying_order(monkeypatch):
     assert all(len(row["us_by_pass"]) == 6 for row in results.values())
     again, _ = _pass_orders(monkeypatch, seed=0, repeats=6)
     assert again == passes
+
+
+def test_speed_up_spread_pairs_each_pass_with_its_own_reference_pass():
+    """Hand-worked: the reference's passes 100, 200, 400 µs against the direct path's
+    10, 40, 20 give per-pass speed-ups 10x, 5x, 20x: 5.0-20.0x."""
+    from mtpmeta.bench.report import spread_line
+
+    results = {
+        "ref": {"impl": "reference", "inputs": "torch", "draft": "eager",
+                "us_by_pass": [100.0, 200.0, 400.0]},
+        "direct": {"impl": "direct", "inputs": "torch", "draft": "eager",
+                   "us_by_pass": [10.0, 40.0, 20.0]},
+    }
+    results = {bench_variants.Variant(row["impl"], row["inputs"], row["draft"]).label: row
+               for row in results.values()}
+    assert spread_line(results) == \
+        "speed-up per pass, lowest-highest of 3: direct torch eager 5.0-20.0x"
+
+
+@pytest.mark.parametrize("before, after, cpus, busy", [
+    (1.0, 1.2, 2, False),   # the bench's own process on an idle 2-CPU machine
+    (2.1, 1.0, 2, True),    # another process held more than one of the two CPUs
+    (1.0, 2.5, 2, True),
+    (8.0, 8.5, 16, False),  # 7.5 others on 16 CPUs: under half
+    (9.5, 9.0, 16, True),
+])
+def test_machine_load_flags_a_busy_machine(monkeypatch, before, after, cpus, busy):
+    monkeypatch.setattr(bench_measure.os, "getloadavg", lambda: (after, 0.0, 0.0))
+    monkeypatch.setattr(bench_measure.os, "cpu_count", lambda: cpus)
+    load = bench_measure.machine_load(before)
+    assert load == {"before": before, "after": after, "cpus": cpus, "busy": busy}
+    from mtpmeta.bench.report import load_lines
+
+    lines = load_lines(load)
+    assert lines[0].startswith(f"load average (1 min) {before:.2f} before timing")
+    assert (len(lines) == 2 and lines[1].startswith("WARNING: the machine is busy")) == busy

@@ -61,7 +61,8 @@ def _parser() -> ToolParser:
                         epilog=f"{LEGEND}\n\n{TARGETS_NOTE}")
     defaults = StepConfig()
     parser.add_argument("--quick", action="store_true",
-                        help="4 steps, 5 passes, 1 warm cold-start run: under 30 s")
+                        help="4 steps, 5 passes, 1 warm cold-start run: about 30 s on an idle "
+                             "machine")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--device", default="cpu",
                         help="device of the buffers: cpu (the direct and the mirror path) "
