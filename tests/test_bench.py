@@ -11,6 +11,7 @@ import json
 from dataclasses import fields
 from pathlib import Path
 
+import numba
 import numpy as np
 import pytest
 import torch
@@ -197,7 +198,8 @@ def test_cold_start_compiles_into_a_fresh_cache_then_reports_the_warm_median(
     caches = {cache for cache, _ in seen}
     assert len(caches) == 1 and caller_cache not in caches  # one fresh cache for all
     assert [files for _, files in seen][0] == 0  # the cold run starts empty
-    assert all(files > 0 for _, files in seen[1:])  # the warm runs find it filled
+    if not numba.config.DISABLE_JIT:  # (.ci/run's coverage pass compiles nothing)
+        assert all(files > 0 for _, files in seen[1:])  # the warm runs find it filled
     assert result["cache_files_written"] == seen[1][1]
     runs = result["warm_runs_s"]
     assert len(runs) == 2 and all(run > 0 for run in runs)

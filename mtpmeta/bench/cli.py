@@ -125,11 +125,14 @@ def _usage_problem(args) -> Optional[str]:
 
     problem = device_problem(args.device) or _config_problem(args)
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
-        problem = problem or (path is not None and output_problem(flag, path)) or None
+        if path is not None:
+            problem = problem or output_problem(flag, path)
     if args.plot:
         problem = problem or missing_module("matplotlib", "plot", "--plot")
-    if args.instructions and not problem and unavailable():
-        problem = f"--instructions cannot count here: {unavailable()}"
+    if args.instructions and problem is None:
+        reason = unavailable()
+        if reason:
+            problem = f"--instructions cannot count here: {reason}"
     return problem
 
 

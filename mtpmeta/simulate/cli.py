@@ -146,8 +146,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         return status
     steps = args.steps if args.steps is not None else (
         QUICK_STEPS if args.quick else DEFAULT_STEPS)
-    problem = device_problem(args.device) or (
-        args.json is not None and output_problem("--json", args.json)) or None
+    problem = device_problem(args.device)
+    if args.json is not None:
+        problem = problem or output_problem("--json", args.json)
     if args.path == "direct" and args.device != "cpu":
         problem = problem or "--path direct runs on the CPU only (--device cpu)"
     if problem:
