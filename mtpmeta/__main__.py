@@ -5,7 +5,11 @@ from __future__ import annotations
 import sys
 from typing import List, Optional
 
-USAGE = """usage: mtpmeta COMMAND [options]
+from . import __version__
+
+USAGE = f"""usage: mtpmeta COMMAND [options]   (mtpmeta --version: {__version__})
+
+Host-side bookkeeping for MTP speculative decoding with a draft KV cache; its two tools:
   bench      per-step host cost against the reference   (mtpmeta bench --help)
   simulate   end-to-end engine over a paged KV cache     (mtpmeta simulate --help)"""
 
@@ -13,8 +17,11 @@ USAGE = """usage: mtpmeta COMMAND [options]
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
+        print(USAGE, file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        print(f"mtpmeta {__version__}")
+        return 0
     if argv[0] == "bench":
         from .bench import main as bench_main
 
@@ -24,7 +31,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         return simulate_main(argv[1:])
     print(f"mtpmeta: unknown command {argv[0]!r}; the commands are 'bench' and "
-          "'simulate'", file=sys.stderr)
+          "'simulate' (mtpmeta --help)", file=sys.stderr)
     return 2
 
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import fields
+from pathlib import Path
 
+import numba
 import numpy as np
 import pytest
 import torch
@@ -175,11 +177,111 @@ def test_kernel_floor_that_skips_work_is_caught(monkeypatch, capsys):
     assert "kernel floor step differs" in capsys.readouterr().err
 
 
-def test_cold_start_runs_new_processes_and_reports_the_warm_median():
+def test_cold_start_compiles_into_a_fresh_cache_then_reports_the_warm_median(
+        monkeypatch, tmp_path):
+    """The cold process must start from an empty numba cache of its own (it used to
+    reuse whatever the bench's earlier work had cached: "cold" read as warm), write
+    the compiled kernels there, and the warm runs must load them from the same place.
+    A cache the caller left warm must not be used."""
     config = StepConfig(max_requests=32, active=16, block_columns=16, block_size=16,
                         prefill_tokens=32, depths=2)
+    caller_cache = tmp_path / "caller-cache"
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(caller_cache))
+    seen = []
+    real_run = bench_measure.subprocess.run
+
+    def run(*args, env=None, **kwargs):
+        cache = Path(env["NUMBA_CACHE_DIR"])
+        seen.append((cache, sum(1 for p in cache.rglob("*") if p.is_file())))
+        return real_run(*args, env=env, **kwargs)
+
+    monkeypatch.setattr(bench_measure.subprocess, "run", run)
     result = bench_measure.cold_start(config, warm_runs=2)
-    runs = result["warm_cache_runs_s"]
+    assert len(seen) == 3
+    caches = {cache for cache, _ in seen}
+    assert len(caches) == 1 and caller_cache not in caches  # one fresh cache for all
+    assert [files for _, files in seen][0] == 0  # the cold run starts empty
+    if not numba.config.DISABLE_JIT:  # (.ci/run's coverage pass compiles nothing)
+        assert all(files > 0 for _, files in seen[1:])  # the warm runs find it filled
+    assert result["cache_files_written"] == seen[1][1]
+    runs = result["warm_runs_s"]
     assert len(runs) == 2 and all(run > 0 for run in runs)
-    assert result["warm_cache_s"] == pytest.approx(sum(runs) / 2)  # median of two
-    assert result["first_run_s"] > 0
+    assert result["warm_s"] == pytest.approx(sum(runs) / 2)  # median of two
+    assert result["compile_s"] == pytest.approx(result["cold_s"] - result["warm_s"])
+    assert not next(iter(caches)).exists()  # removed afterwards
+
+
+def _pass_orders(monkeypatch, seed: int, repeats: int):
+    """The labels ``measure`` times, pass by pass (whole steps only)."""
+    timed = []
+    real = bench_measure._Run.time_steps
+
+    def record(run, device):
+        timed.append(run.label)
+        real(run, device)
+
+    monkeypatch.setattr(bench_measure._Run, "time_steps", record)
+    config = StepConfig(max_requests=32, active=16, block_columns=16, block_size=16,
+                        prefill_tokens=32, depths=2)
+    results, floors = bench_measure.measure(config, make_steps(config, 2), repeats,
+                                            torch.device("cpu"), order_seed=seed)
+    rows = len(results) + len(floors)
+    warm = len(floors)  # _floor_runs times each floor once to warm it
+    timed = timed[warm:]
+    assert len(timed) == rows * repeats
+    return [timed[i:i + rows] for i in range(0, len(timed), rows)], results
+
+
+def test_every_pass_times_each_row_once_in_a_seeded_varying_order(monkeypatch):
+    """A row timed right after a heavy one pays its cache misses. With one fixed order
+    the torch-input kernel floor always ran right after the numpy floor, on the same
+    buffers, and printed faster than the numpy floor it only adds work to. Each pass
+    must time every row once, no row may always follow the same neighbour, and the
+    order must repeat for the same seed."""
+    passes, results = _pass_orders(monkeypatch, seed=0, repeats=6)
+    for order in passes:
+        assert sorted(order) == sorted(passes[0])  # every row once per pass
+    assert len({tuple(order) for order in passes}) > 1
+    before_torch_floor = {order[order.index("kernel floor, torch inputs") - 1]
+                          if order.index("kernel floor, torch inputs") else None
+                          for order in passes}
+    assert len(before_torch_floor) > 1, before_torch_floor
+    assert all(len(row["us_by_pass"]) == 6 for row in results.values())
+    again, _ = _pass_orders(monkeypatch, seed=0, repeats=6)
+    assert again == passes
+
+
+def test_speed_up_spread_pairs_each_pass_with_its_own_reference_pass():
+    """Hand-worked: the reference's passes 100, 200, 400 µs against the direct path's
+    10, 40, 20 give per-pass speed-ups 10x, 5x, 20x: 5.0-20.0x."""
+    from mtpmeta.bench.report import spread_line
+
+    results = {
+        "ref": {"impl": "reference", "inputs": "torch", "draft": "eager",
+                "us_by_pass": [100.0, 200.0, 400.0]},
+        "direct": {"impl": "direct", "inputs": "torch", "draft": "eager",
+                   "us_by_pass": [10.0, 40.0, 20.0]},
+    }
+    results = {bench_variants.Variant(row["impl"], row["inputs"], row["draft"]).label: row
+               for row in results.values()}
+    assert spread_line(results) == \
+        "speed-up per pass, lowest-highest of 3: direct torch eager 5.0-20.0x"
+
+
+@pytest.mark.parametrize("before, after, cpus, busy", [
+    (1.0, 1.2, 2, False),   # the bench's own process on an idle 2-CPU machine
+    (2.1, 1.0, 2, True),    # another process held more than one of the two CPUs
+    (1.0, 2.5, 2, True),
+    (8.0, 8.5, 16, False),  # 7.5 others on 16 CPUs: under half
+    (9.5, 9.0, 16, True),
+])
+def test_machine_load_flags_a_busy_machine(monkeypatch, before, after, cpus, busy):
+    monkeypatch.setattr(bench_measure.os, "getloadavg", lambda: (after, 0.0, 0.0))
+    monkeypatch.setattr(bench_measure.os, "cpu_count", lambda: cpus)
+    load = bench_measure.machine_load(before)
+    assert load == {"before": before, "after": after, "cpus": cpus, "busy": busy}
+    from mtpmeta.bench.report import load_lines
+
+    lines = load_lines(load)
+    assert lines[0].startswith(f"load average (1 min) {before:.2f} before timing")
+    assert (len(lines) == 2 and lines[1].startswith("WARNING: the machine is busy")) == busy

@@ -3,7 +3,8 @@
 Tooling, not the library: ``workload`` (the standard step), ``cli`` (the command),
 ``variants`` (what is compared), ``measure`` (timing, op counts, cold start),
 ``report`` (the table), ``floor`` (the kernel floor), ``percall`` (torch vs numpy input
-cost per call), ``instructions`` (callgrind counts), ``opcount`` (a torch op counter).
+cost per call), ``instructions`` (callgrind counts), ``opcount`` (a torch op counter),
+``usage`` (option checks and help format, shared with ``mtpmeta simulate``).
 """
 
 from .cli import main

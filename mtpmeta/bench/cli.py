@@ -15,13 +15,12 @@ instructions per step under callgrind (``mtpmeta.bench.instructions``), a measur
 not move with machine load.
 
 This module is the command line and the order of the sections; the rows and their
-agreement check are ``bench_variants``, the timing ``bench_measure``, the printed table
-and targets ``bench_report``.
+agreement check are ``variants``, the timing ``measure``, the printed table and targets
+``report``, the option checks ``usage``. Every option is checked before any work.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from dataclasses import asdict
@@ -29,50 +28,125 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from .measure import cold_start, measure, sweep
-from .report import plot, table, target_lines
+from .measure import cold_start, load_now, machine_load, measure, sweep
+from .report import LEGEND, TARGETS_NOTE, load_lines, plot, spread_line, table, target_lines
+from .usage import (ToolParser, device_problem, missing_module, output_problem, parse,
+                    positive_int, usage_error)
 from .variants import check_identical, floor_matches, implementations
 from .workload import StepConfig, make_steps
 
 __all__ = ["main"]
 
+PROG = "mtpmeta bench"
+DESCRIPTION = """\
+Per-step host cost of mtpmeta against its pure-torch reference, on the standard step
+(mtpmeta/bench/workload.py). It first checks that every path leaves the reference's
+view contents and buffers (exit status 1 if not), then times whole steps and each
+method group in interleaved passes, counts torch ops, syncs and draft-loop
+allocations, and prints a table. Ratios are measured in the same run; absolute times
+only compare on the same machine."""
+_SIZES = (("--max-requests", "max_requests", "request slots R (must exceed --active: "
+           "the prefill request takes one more)"),
+          ("--active", "active", "decode requests in the draft loop and the commit pass"),
+          ("--depths", "depths", "draft depths per draft loop"),
+          ("--block-size", "block_size", "tokens per KV block"),
+          ("--block-columns", "block_columns", "block-table columns W"),
+          ("--prefill-tokens", "prefill_tokens", "tokens of the commit pass's prefill "
+           "chunk"),
+          ("--tp", "tp", "tensor-parallel multiple the token counts are padded to"))
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mtpmeta bench", description=__doc__.split("\n")[0])
+
+def _parser() -> ToolParser:
+    parser = ToolParser(prog=PROG, description=DESCRIPTION,
+                        epilog=f"{LEGEND}\n\n{TARGETS_NOTE}")
     defaults = StepConfig()
-    parser.add_argument("--quick", action="store_true", help="finish in under 30 s")
+    parser.add_argument("--quick", action="store_true",
+                        help="4 steps, 5 passes, 1 warm cold-start run: about 30 s on an idle "
+                             "machine")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    parser.add_argument("--device", default="cpu", help="device of the buffers (cpu/cuda)")
-    for flag, attr in (("--max-requests", "max_requests"), ("--active", "active"),
-                       ("--depths", "depths"), ("--block-size", "block_size"),
-                       ("--block-columns", "block_columns"),
-                       ("--prefill-tokens", "prefill_tokens"), ("--tp", "tp")):
-        parser.add_argument(flag, type=int, default=getattr(defaults, attr), dest=attr)
-    parser.add_argument("--steps", type=int, default=None,
+    parser.add_argument("--device", default="cpu",
+                        help="device of the buffers: cpu (the direct and the mirror path) "
+                             "or cuda / cuda:N (the mirror path)")
+    for flag, attr, what in _SIZES:
+        parser.add_argument(flag, type=positive_int, default=getattr(defaults, attr),
+                            dest=attr, help=what)
+    parser.add_argument("--steps", type=positive_int, default=None,
                         help="distinct seeded steps (default 8; 4 with --quick)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed passes")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--sweep", action="store_true", help="host cost over batch sizes")
-    parser.add_argument("--plot", metavar="PNG", help="draw the sweep (needs matplotlib)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch intra-op threads (default 1: OpenMP wake-ups on a "
-                             "busy host make CPU timings of both sides noisy)")
+    parser.add_argument("--repeats", type=positive_int, default=None,
+                        help="timed passes (default 30; 5 with --quick)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the drawn steps and of the pass order")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time each path over batch sizes 8-256")
+    parser.add_argument("--plot", metavar="PNG",
+                        help="draw the sweep to PNG (implies --sweep; needs the plot "
+                             "extra, matplotlib)")
+    parser.add_argument("--threads", type=positive_int, default=1,
+                        help="torch intra-op threads (1: OpenMP wake-ups on a busy host "
+                             "make CPU timings of both sides noisy)")
     parser.add_argument("--no-cold-start", action="store_true",
-                        help="skip the new-process first-step measurement")
+                        help="skip the new-process first-step measurement (cold, with a "
+                             "fresh numba cache, and warm)")
     parser.add_argument("--no-per-call", action="store_true",
                         help="skip the per-call torch-vs-numpy input cost section")
     parser.add_argument("--instructions", action="store_true",
                         help="also count instructions per step under valgrind's "
-                             "callgrind (load-independent ratios; about 1-2 minutes)")
+                             "callgrind (load-independent ratios; about 1-2 minutes; "
+                             "needs valgrind and the bench extra)")
     return parser
 
 
+def _config_problem(args) -> Optional[str]:
+    """Why the sizes make no standard step, or None."""
+    if args.max_requests <= args.active:
+        return (f"--max-requests {args.max_requests} must exceed --active {args.active} "
+                f"(the step's prefill request takes one more slot): use at least "
+                f"{args.active + 1}")
+    defaults = StepConfig()
+    table_tokens = args.block_columns * args.block_size
+    # make_steps: the prefill starts half a block before its inherited blocks end
+    prefill_end = (defaults.inherited_blocks * args.block_size - args.block_size // 2
+                   + args.prefill_tokens)
+    if args.block_columns < defaults.inherited_blocks or prefill_end > table_tokens:
+        return (f"--block-columns {args.block_columns} x --block-size {args.block_size} "
+                f"holds {table_tokens} tokens per request, but the step's prefill chunk "
+                f"(after {defaults.inherited_blocks} inherited blocks) reaches token "
+                f"{prefill_end}: raise --block-columns or lower --prefill-tokens")
+    if table_tokens <= args.depths + 4:
+        return (f"--depths {args.depths} does not fit a block table of {table_tokens} "
+                f"tokens per request")
+    return None
+
+
+def _usage_problem(args) -> Optional[str]:
+    """The first option that cannot work, as one line, or None: checked before any
+    work, so a bad option costs nothing."""
+    from .instructions import unavailable
+
+    problem = device_problem(args.device) or _config_problem(args)
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path is not None:
+            problem = problem or output_problem(flag, path)
+    if args.plot:
+        problem = problem or missing_module("matplotlib", "plot", "--plot")
+    if args.instructions and problem is None:
+        reason = unavailable()
+        if reason:
+            problem = f"--instructions cannot count here: {reason}"
+    return problem
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    """Run ``mtpmeta bench`` with ``argv``; 0, or 1 when a path disagrees with the
-    reference (or the kernel floor with the direct path) before any timing."""
-    args = _parser().parse_args(argv)
-    config = StepConfig(max_requests=max(args.max_requests, args.active + 1),
-                        active=args.active,
+    """Run ``mtpmeta bench`` with ``argv``; 0, 1 when a path disagrees with the
+    reference (or the kernel floor with the direct path) before any timing, 2 for an
+    option that cannot work (one line on stderr, before any work); 0 after --help."""
+    args, status = parse(_parser(), argv)
+    if args is None:
+        return status
+    problem = _usage_problem(args)
+    if problem:
+        return usage_error(PROG, problem)
+    config = StepConfig(max_requests=args.max_requests, active=args.active,
                         depths=args.depths, block_size=args.block_size,
                         block_columns=args.block_columns, prefill_tokens=args.prefill_tokens,
                         tp=args.tp)
@@ -92,12 +166,19 @@ def main(argv: Optional[List[str]] = None) -> int:
               file=sys.stderr)
         return 1
     progress = _progress(repeats)
-    results, floors = measure(config, steps, repeats, device, progress)
+    load_before = load_now()
+    results, floors = measure(config, steps, repeats, device, progress,
+                              order_seed=args.seed)
+    load = machine_load(load_before)
     if progress is not None:
         progress.close()
     print(table(config, results, str(device), floors))
+    print(LEGEND)
+    print(spread_line(results))
+    for line in load_lines(load) if load else ():
+        print(line)
     output: Dict[str, Any] = {"config": asdict(config), "device": str(device),
-                              "results": results}
+                              "results": results, "load": load}
     if floors:
         output["kernel_floor"] = {"us_per_step": floors["kernel floor"],
                                   "us_per_step_torch_inputs":
@@ -113,14 +194,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(format_input_cost(input_cost))
     targets = target_lines(results, floors, input_cost)
     output["targets"] = targets
+    if targets:
+        print(TARGETS_NOTE)
     for line in targets:
         print(f"target: {line}")
     if on_cpu and not args.no_cold_start:
-        output["cold_start"] = cold_start(config, warm_runs=1 if args.quick else 3)
-        print("cold start (new process, imports + first step): "
-              f"{output['cold_start']['first_run_s']:.2f} s as the numba cache was, "
-              f"{output['cold_start']['warm_cache_s']:.2f} s with it warm (median of "
-              f"{len(output['cold_start']['warm_cache_runs_s'])})")
+        cold = output["cold_start"] = cold_start(config, warm_runs=1 if args.quick else 3)
+        print(f"cold start (new process, imports + first step): {cold['cold_s']:.2f} s "
+              f"with an empty numba cache (compiling {cold['cache_files_written']} cache "
+              f"files), {cold['warm_s']:.2f} s with it warm (median of "
+              f"{len(cold['warm_runs_s'])}): {cold['compile_s']:.2f} s of compilation")
     if args.instructions:
         from .instructions import count_step_instructions, format_instructions
 

@@ -30,6 +30,8 @@ import tempfile
 from dataclasses import asdict
 from typing import Any, Callable, Dict, List, Optional
 
+from .usage import install_hint
+
 __all__ = ["unavailable", "callgrind_regions", "count_step_instructions",
            "format_instructions"]
 
@@ -64,10 +66,10 @@ def hooks_library() -> Optional[str]:
 def unavailable() -> Optional[str]:
     """Why instructions cannot be counted here, or None when they can."""
     if shutil.which("valgrind") is None:
-        return "valgrind is not installed"
+        return "valgrind is not installed (it is a system package: apt-get install valgrind)"
     if hooks_library() is None:
         return ("pytest-codspeed's instrument hooks are not installed "
-                "(pip install -e '.[bench]')")
+                f"({install_hint('bench')})")
     return None
 
 

@@ -1,16 +1,22 @@
 """Timing for ``mtpmeta bench``: whole steps, method groups, counts, sweep, cold start.
 
-Every repeat runs one pass of each variant (and of the CPU kernel floors) in turn, so a
-load change hits every row alike; the figures are medians over the repeats, in µs per
-step. Ratios between rows of one run are what the bench reports; absolute times only
-compare on the same machine.
+Every repeat runs one pass of each variant (and of the CPU kernel floors), so a load
+change hits every row alike; the figures are medians over the repeats, in µs per step.
+Each pass runs the rows in a fresh seeded random order: a row timed right after a heavy
+one pays that row's cache misses, and with a fixed order the torch-input kernel floor
+(always right after the numpy floor, on the same buffers) read faster than the numpy
+floor it adds work to. Ratios between rows of one run are what the bench reports;
+absolute times only compare on the same machine.
 """
 
 from __future__ import annotations
 
+import os
+import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from dataclasses import asdict, dataclass, field, replace
@@ -23,7 +29,7 @@ from .variants import Variant, build, implementations, inputs_of, variants
 from .opcount import OpCounter
 from .workload import StepConfig, StepInputs, make_steps, run_step, run_step_groups
 
-__all__ = ["measure", "sweep", "cold_start"]
+__all__ = ["measure", "sweep", "cold_start", "load_now", "machine_load"]
 
 _COLD_START = """
 import time, sys
@@ -161,12 +167,15 @@ def _floor_runs(config: StepConfig, steps: List[StepInputs],
 
 def measure(config: StepConfig, steps: List[StepInputs], repeats: int,
             device: torch.device, progress: Any = None,
-            with_floor: bool = True) -> Tuple[Dict[str, Dict[str, Any]], Dict[str, float]]:
-    """Median µs per step and per method group of every variant, plus op/sync/allocation
-    counts, and the kernel floors' median µs per step (CPU: ``"kernel floor"`` on
-    pre-converted inputs, ``"kernel floor, torch inputs"`` converting each torch input
-    as it is read). Every repeat runs one pass of each variant and floor in turn, so
-    they share the machine's state of the moment."""
+            with_floor: bool = True,
+            order_seed: int = 0) -> Tuple[Dict[str, Dict[str, Any]], Dict[str, float]]:
+    """Median µs per step and per method group of every variant, with each pass's µs per
+    step (``us_by_pass``) and op/sync/allocation counts, and the kernel floors' median
+    µs per step (CPU: ``"kernel floor"`` on pre-converted inputs, ``"kernel floor, torch
+    inputs"`` converting each torch input as it is read). Every repeat runs one pass of
+    each variant and floor, in an order drawn from ``random.Random(order_seed)``, so
+    they share the machine's state of the moment and no row always follows the same
+    neighbour."""
     by_kind = inputs_of(steps)
     rows = variants(device)
     runs, built = [], {}
@@ -180,10 +189,12 @@ def measure(config: StepConfig, steps: List[StepInputs], repeats: int,
     if with_floor and device.type == "cpu":
         floor_runs = _floor_runs(config, steps, device)
         runs.extend(floor_runs)
+    order = random.Random(order_seed)
     for _ in range(repeats):
-        for run in runs:
+        shuffled = order.sample(runs, len(runs))
+        for run in shuffled:
             run.time_steps(device)
-        for run in runs:
+        for run in shuffled:
             run.time_groups(device)
         if progress is not None:
             progress.update(1)
@@ -196,7 +207,8 @@ def measure(config: StepConfig, steps: List[StepInputs], repeats: int,
         timed_steps = repeats * len(run.steps) * (2 if run.groups is not None else 1)
         results[variant.label] = {
             "impl": variant.impl, "inputs": variant.inputs, "draft": variant.draft,
-            "us_per_step": statistics.median(run.per_step), "us_per_group": groups,
+            "us_per_step": statistics.median(run.per_step), "us_by_pass": run.per_step,
+            "us_per_group": groups,
             # Fence waits that blocked the host, per timed step (None off the mirror).
             "fence_stalls_per_step": None if stalls is None else
             (stalls - stalls_before[variant]) / max(timed_steps, 1),
@@ -220,17 +232,44 @@ def sweep(config: StepConfig, actives: List[int], repeats: int, device: torch.de
 
 
 def cold_start(config: StepConfig, warm_runs: int = 3) -> Dict[str, Any]:
-    """Seconds to the end of the first step in a new process: once with numba's cache
-    as it is (compiling what is missing), then ``warm_runs`` times with it warm. Single
-    runs swing by 0.2 s here (torch's own import varies most), so the warm figure is
-    the median of the runs, all of which are kept."""
+    """Seconds to the end of the first step in a new process, given a fresh, empty
+    numba cache directory (``NUMBA_CACHE_DIR``) of its own: the first process is truly
+    cold and compiles every kernel it runs into that cache; the ``warm_runs`` after it
+    load them from there. Single runs swing by 0.2 s here (torch's own import varies
+    most), so the warm figure is the median of the runs, all of which are kept;
+    ``compile_s`` is the cold run less that median."""
     script = _COLD_START.format(config=repr(asdict(config)))
     times = []
-    for _ in range(1 + warm_runs):
-        result = subprocess.run([sys.executable, "-c", script], capture_output=True,
-                                text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"cold-start process failed:\n{result.stderr[-2000:]}")
-        times.append(float(result.stdout.strip().splitlines()[-1]))
-    return {"first_run_s": times[0], "warm_cache_s": statistics.median(times[1:]),
-            "warm_cache_runs_s": times[1:]}
+    with tempfile.TemporaryDirectory(prefix="mtpmeta-numba-cache-") as cache:
+        env = dict(os.environ, NUMBA_CACHE_DIR=cache)
+        for run in range(1 + warm_runs):
+            result = subprocess.run([sys.executable, "-c", script], capture_output=True,
+                                    text=True, env=env)
+            if result.returncode != 0:
+                raise RuntimeError(f"cold-start process failed:\n{result.stderr[-2000:]}")
+            times.append(float(result.stdout.strip().splitlines()[-1]))
+            if run == 0:
+                cached_files = sum(len(files) for _, _, files in os.walk(cache))
+    warm = statistics.median(times[1:]) if warm_runs else float("nan")
+    return {"cold_s": times[0], "warm_s": warm, "warm_runs_s": times[1:],
+            "compile_s": times[0] - warm, "cache_files_written": cached_files}
+
+
+def load_now() -> Optional[float]:
+    """The 1-minute load average, or None where the OS has none."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def machine_load(before: Optional[float]) -> Dict[str, Any]:
+    """The 1-minute load average ``before`` the timing (``load_now()`` then) and now,
+    the CPU count, and ``busy``: other processes occupied more than half the CPUs at
+    either moment (the bench's own process counts one). Empty without a load average."""
+    after = load_now()
+    if before is None or after is None:
+        return {}
+    cpus = os.cpu_count() or 1
+    return {"before": before, "after": after, "cpus": cpus,
+            "busy": max(before, after) - 1 > cpus / 2}

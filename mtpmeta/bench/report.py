@@ -7,16 +7,39 @@ draft mode, measured in the same run.
 
 from __future__ import annotations
 
+import textwrap
 from typing import Any, Dict, List, Optional
 
 from .variants import DRAFT_MODES, Variant
 from .workload import StepConfig
 
-__all__ = ["TARGETS", "table", "target_lines", "plot"]
+__all__ = ["TARGETS", "LEGEND", "TARGETS_NOTE", "table", "target_lines", "spread_line",
+           "load_lines", "plot"]
 
-#: Targets of this revision (issue 11), checked and printed by every CPU run.
+#: The project's performance goals for this design (BENCHMARKS.md, "Targets of this
+#: revision"), checked
+#: and printed by every CPU run.
 TARGETS = {"direct_vs_floor": 1.35, "direct_speedup": 15.0, "torch_vs_numpy": 1.10,
            "mirror_ops": 32}
+
+#: What the table's columns hold; printed under it and in ``mtpmeta bench --help``.
+LEGEND = """\
+columns: µs/step = median wall time of one standard step over the interleaved passes;
+  rows, carry, depth, commit = µs of that step in the row moves/swaps/resets, the chunk
+  carry and take, ONE draft depth (setup + advance), the commit pass;
+  speed-up = the reference's µs/step (same draft mode, same run) over this row's;
+  ops = torch ops dispatched per step (counts, not times); data ops = those that read
+  or write tensor data (the rest are views, which launch nothing on a GPU);
+  syncs = reads of a tensor's value back to the host (.item() and the like: a device
+  sync each on a GPU); draft allocs = new tensor storages in the draft loop (must be 0)."""
+
+#: Where the ``target:`` lines come from and what a miss means.
+TARGETS_NOTE = """\
+targets: the project's performance goals for this design (BENCHMARKS.md, "Targets of
+  this revision").
+  MISSED means slower, or more torch ops, than the goal; it does not mean wrong
+  results: every path was checked against the reference first (a mismatch exits 1),
+  and a missed target leaves the exit status 0."""
 
 
 def _reference_us(results: Dict[str, Dict[str, Any]], draft: str) -> float:
@@ -95,6 +118,37 @@ def target_lines(results: Dict[str, Dict[str, Any]], floors: Dict[str, float],
         lines.append(f"torch vs numpy inputs, per call: worst {worst[1]['ratio']:.2f}x "
                      f"({worst[0]}; target <= {TARGETS['torch_vs_numpy']}): "
                      f"{'met' if ok else 'MISSED'}")
+    return lines
+
+
+def spread_line(results: Dict[str, Dict[str, Any]]) -> str:
+    """The speed-up of each library row over its reference, per interleaved pass: the
+    lowest and highest pass (both rows of a pass share the machine's load of the
+    moment, so this is the ratio's own noise)."""
+    parts = []
+    for label, row in results.items():
+        if row["impl"] == "reference":
+            continue
+        ref = results[Variant("reference", "torch", row["draft"]).label]["us_by_pass"]
+        ratios = [r / us for r, us in zip(ref, row["us_by_pass"])]
+        parts.append(f"{row['impl']} {row['inputs']} {row['draft']} "
+                     f"{min(ratios):.1f}-{max(ratios):.1f}x")
+    passes = len(next(iter(results.values()))["us_by_pass"])
+    return textwrap.fill(f"speed-up per pass, lowest-highest of {passes}: "
+                         + ", ".join(parts), width=88, subsequent_indent="  ")
+
+
+def load_lines(load: Dict[str, Any]) -> List[str]:
+    """The load average before and after the timing, and a warning when the machine
+    was busy (``load["busy"]``)."""
+    lines = [f"load average (1 min) {load['before']:.2f} before timing, "
+             f"{load['after']:.2f} after, on {load['cpus']} CPUs"]
+    if load["busy"]:
+        lines.append(textwrap.fill(
+            "WARNING: the machine is busy: other processes compete for the CPUs, so "
+            "every time above reads high and the ratios swing (see the per-pass "
+            "spread); rerun on an idle machine, or compare --instructions counts, "
+            "which do not move with load", width=88, subsequent_indent="  "))
     return lines
 
 

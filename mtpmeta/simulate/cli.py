@@ -3,13 +3,14 @@ one-screen summary, optionally write it as JSON; exit 1 on the first mismatch.""
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from typing import Any, Dict, List, Optional
 
 import torch
 
+from ..bench.usage import ToolParser, device_problem, output_problem, parse, \
+    positive_int, usage_error
 from .config import SimConfig
 from .runner import PATHS, run_path
 
@@ -36,20 +37,30 @@ ROWS = (
 )
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="mtpmeta simulate",
-        description="End-to-end speculative decoding over a paged KV cache, driving "
-                    "MTPMetadata and checking every forward against a dense "
-                    "recomputation. Exit status 1 on the first mismatch.")
+PROG = "mtpmeta simulate"
+
+
+def _parser() -> ToolParser:
+    parser = ToolParser(
+        prog=PROG,
+        description="End-to-end speculative decoding over a paged KV cache, driving\n"
+                    "MTPMetadata and checking every forward against a dense\n"
+                    "recomputation. Exit status 1 on the first mismatch, 2 for an option\n"
+                    "that cannot work.")
     parser.add_argument("--quick", action="store_true",
                         help=f"{QUICK_STEPS} steps per path (default {DEFAULT_STEPS})")
-    parser.add_argument("--steps", type=int, default=None, help="steps per path")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=positive_int, default=None,
+                        help=f"steps per path (default {DEFAULT_STEPS}; {QUICK_STEPS} "
+                             "with --quick)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the toy model's weights and the scheduler's random draws")
     parser.add_argument("--path", choices=PATHS + ("both",), default="both",
                         help="direct: allocate('cpu'); mirror: allocate(device, "
-                             "mirror=True); both (default; direct only on the CPU)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+                             "mirror=True); both: the direct then the mirror path on the "
+                             "CPU, the mirror path alone on cuda (the direct path is "
+                             "CPU-only)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="device of the buffers")
     parser.add_argument("--json", metavar="PATH", help="write the summary as JSON")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
     return parser
@@ -128,20 +139,22 @@ def summary(report: Dict[str, Any]) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = _parser().parse_args(argv)
+    """Run ``mtpmeta simulate`` with ``argv``; 0, 1 on the first mismatch, 2 for an
+    option that cannot work (one line on stderr, before any work); 0 after --help."""
+    args, status = parse(_parser(), argv)
+    if args is None:
+        return status
     steps = args.steps if args.steps is not None else (
         QUICK_STEPS if args.quick else DEFAULT_STEPS)
-    if steps < 1:
-        print("mtpmeta simulate: --steps must be >= 1", file=sys.stderr)
-        return 2
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("mtpmeta simulate: --device cuda, but CUDA is not available", file=sys.stderr)
-        return 2
+    problem = device_problem(args.device)
+    if args.json is not None:
+        problem = problem or output_problem("--json", args.json)
+    if args.path == "direct" and args.device != "cpu":
+        problem = problem or "--path direct runs on the CPU only (--device cpu)"
+    if problem:
+        return usage_error(PROG, problem)
     if args.path == "both":
         paths = PATHS if args.device == "cpu" else ("mirror",)
-    elif args.path == "direct" and args.device != "cpu":
-        print("mtpmeta simulate: the direct path runs on the CPU only", file=sys.stderr)
-        return 2
     else:
         paths = (args.path,)
     config = SimConfig()
