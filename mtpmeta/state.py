@@ -16,6 +16,7 @@ from torch import Tensor
 
 from .backend import Backend
 from .buffers import PersistentBuffers
+from .captured import CapturedRoute
 from .checks import Geometry, check_decode_counts
 from .direct import DirectBackend
 from .errors import ForwardModeError, MTPDisabledError, NotAllocatedError
@@ -95,6 +96,8 @@ class MetadataState:
         self._buffers = self._backend = self._geometry = self._memo = None
         self._active_lengths = None  # (query_lengths[:n], kv_lengths[:n]) in DRAFT
         self._decode_record: Optional[ForwardRecord] = None  # a draft loop's record
+        self._captured = None  # CapturedRoute of the allocation (mtpmeta.captured)
+        self._capture_setup = self._offsets_stale = False  # mtpmeta.captured_loop
 
     def _allocation(self, device: torch.device, mirror: bool, max_tokens: int,
                     staging_slots: int) -> Tuple[PersistentBuffers, Backend, Geometry]:
@@ -129,6 +132,10 @@ class MetadataState:
         DRAFT pointing at views of the dropped buffers (upstream's would)."""
         self._buffers, self._backend, self._geometry = buffers, backend, geometry
         self._memo = None if buffers is None else ForwardMemo(buffers, geometry)
+        self._captured = None if buffers is None else CapturedRoute(
+            buffers, block_size=self.block_size_tokens, dummy=self.dummy_block_idx,
+            mirror=backend.mirror, runtime=getattr(backend, "runtime", get_runtime()))
+        self._capture_setup = self._offsets_stale = False
         self.active_offsets = self.active_block_table = self._active_lengths = None
         self.last_forward = None
         self.forward_mode = MTPForwardMode.NONE
@@ -168,6 +175,7 @@ class MetadataState:
         self.graphed = bool(graphed)
         self.forward_mode = MTPForwardMode.DRAFT
         self._decode_record = None  # a new draft loop: its first depth makes a record
+        self._capture_setup = self._offsets_stale = False  # a captured begin sets it after
 
     def _require_draft_views(self, method: str) -> Any:
         backend = self._require(method)
