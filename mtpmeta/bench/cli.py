@@ -96,8 +96,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     if progress is not None:
         progress.close()
     print(table(config, results, str(device), floors))
+    from .captured import format_captured, measure_captured  # the captured row (§12)
+
+    captured = measure_captured(config, steps, repeats, device)
+    print(format_captured(captured, config.depths))
     output: Dict[str, Any] = {"config": asdict(config), "device": str(device),
-                              "results": results}
+                              "results": results, "captured": captured}
     if floors:
         output["kernel_floor"] = {"us_per_step": floors["kernel floor"],
                                   "us_per_step_torch_inputs":
