@@ -22,8 +22,9 @@ are written here with the rows' ids and offsets: a forward must not read them th
 (the default route gives them no meaning either).
 
 Cost note: 26 device ops per depth (``DEPTH_OPS``), 1 per advance, all inside the graph
-at replay; the host's only work per step is ``begin_decode``: 3 H2D copies (count,
-offsets prefix, table prefix) on the mirror path, no torch op on the direct path.
+at replay; the host's only work per step is ``begin_decode``: 2 H2D copies (count and
+offsets prefix together, table prefix) on the mirror path, no torch op on the direct
+path.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ _BEGIN_SLOTS = 2  # begin_decode runs once per step: double buffering is enough
 def mark_pad_rows(row_ids: Tensor, count: Tensor, out: Tensor) -> Tensor:
     """``out[i] = row_ids[i] >= count[0]``: the pad mask, from the device count.
 
-    row_ids: [p] int64; count: [1] int64 (device); out: [p] bool. One device op.
+    row_ids: [p] int64; count: [1] int32 (device); out: [p] bool. One device op.
     """
     return torch.ge(row_ids, count, out=out)
 
@@ -95,10 +96,11 @@ class CapturedRoute:
     """Device-count draft loop over fixed buffers; see the module docstring.
 
     Holds, from ``allocate`` on (never allocated later):
-    ``count`` [1] int64 device (the loop's real request count ``n``), ``[3, R]`` bool
-    mask scratch, ``[R]`` int64 column scratch, ``[R, 1]`` gathered-block scratch and,
-    on the mirror path, a double-buffered pinned ring whose slot packs
-    ``count [1] int64 | offsets [R] int32 | block_table [R, W]``.
+    ``count`` (``PersistentBuffers.draft_count``, [1] int32 device: the loop's real
+    request count ``n``, stored just before ``offsets``), ``[3, R]`` bool mask scratch,
+    ``[R]`` int64 column scratch, ``[R, 1]`` gathered-block scratch and, on the mirror
+    path, a double-buffered pinned ring whose slot packs ``count, offsets [R + 1]
+    int32 | block_table [R, W]``.
     """
 
     def __init__(self, buffers: PersistentBuffers, *, block_size: int, dummy: int,
@@ -110,7 +112,7 @@ class CapturedRoute:
         requests, width = buffers.block_table.shape
         self.width = width
         device = buffers.offsets.device
-        self.count = torch.zeros(1, dtype=torch.int64, device=device)  # [1] int64: n
+        self.count = buffers.draft_count  # [1] int32: n, just before offsets
         # [3, R] bool: pad rows, outside rows, columns past the table.
         self._masks = torch.zeros((3, requests), dtype=torch.bool, device=device)
         self._columns = torch.zeros(requests, dtype=torch.int64, device=device)  # [R]
@@ -120,8 +122,7 @@ class CapturedRoute:
         self._ring: Optional[StagingRing] = None
         if mirror:
             layout = PackedLayout.build((
-                ("count", torch.int64, (1,)),
-                ("offsets", torch.int32, (requests,)),
+                ("head", torch.int32, (requests + 1,)),  # count, then offsets
                 ("block_table", buffers.block_table.dtype, (requests, width))), align=8)
             self._ring = StagingRing(layout.nbytes, _BEGIN_SLOTS, device, runtime)
             self._slot_arrays = [layout.arrays(self._ring.host_np[i])
@@ -139,7 +140,7 @@ class CapturedRoute:
         if slot is None:
             self._host_count[0] = count
         else:
-            self._slot_arrays[slot].count[0] = count
+            self._slot_arrays[slot].head[0] = count
 
     def begin_direct(self, count: int) -> None:
         """Direct path: ``offsets``/``block_table`` were written by the default kernel;
@@ -149,21 +150,21 @@ class CapturedRoute:
     def begin_mirror(self, count: int, start_positions: np.ndarray, table_src: np.ndarray,
                      block_size: int) -> None:
         """Mirror path, host inputs already validated: pack ``n``, ``offsets[:n]`` and
-        ``block_table[:n]`` into one fenced pinned slot, then 3 async copies (2 when
-        ``n == 0``) into ``count`` and the persistent buffers."""
+        ``block_table[:n]`` into one fenced pinned slot, then 2 async copies (1 when
+        ``n == 0``): ``draft_head[:n + 1]`` (count and offsets, adjacent on both sides)
+        and ``block_table[:n]``."""
         ring = self._ring
         slot = ring.acquire()
         arrays = self._slot_arrays[slot]
         native.staging.copy_decode_inputs(start_positions, table_src, count, block_size,
-                                          arrays.offsets, arrays.block_table)
+                                          arrays.head[1:], arrays.block_table)
         self.stage_count(count, slot)
         copies = self._copies.get((slot, count))
         if copies is None:
             staged, buffers = self._slot_tensors[slot], self.buffers
-            copies = [(self.count, staged.count)]
+            copies = [(buffers.draft_head[:count + 1], staged.head[:count + 1])]
             if count:
-                copies += [(buffers.offsets[:count], staged.offsets[:count]),
-                           (buffers.block_table[:count], staged.block_table[:count])]
+                copies.append((buffers.block_table[:count], staged.block_table[:count]))
             self._copies.put((slot, count), copies)
         for dst, src in copies:
             dst.copy_(src, non_blocking=True)

@@ -253,10 +253,11 @@ def test_captured_setup_is_a_fixed_op_sequence_with_no_host_read(path):
 
 @SIM_SKIP
 @pytest.mark.cuda_sim
-def test_mirror_begin_stages_count_offsets_and_table_in_three_copies():
-    """begin_decode(capture_setup=True) on the mirror path: one pinned slot, 3 H2D
-    copies (count, offsets[:n], block_table[:n]); with n = 0 only the count's. It is
-    eager staging, so it is refused under capture like the default begin_decode."""
+def test_mirror_begin_stages_count_offsets_and_table_in_two_copies():
+    """begin_decode(capture_setup=True) on the mirror path: one pinned slot, 2 H2D
+    copies (count with offsets[:n], which sit side by side, and block_table[:n]); with
+    n = 0 only the count's. It is eager staging, so it is refused under capture like
+    the default begin_decode."""
     sim = CudaSim(4, idle=1.0)
     steps = schedule(2)
     with sim:
@@ -265,10 +266,11 @@ def test_mirror_begin_stages_count_offsets_and_table_in_three_copies():
         for n, starts, table, _ in steps:
             issued = sim.issued
             meta.begin_decode(n, P, starts, table, True, capture_setup=True)
-            assert sim.issued - issued == (3 if n else 1), n
+            assert sim.issued - issued == (2 if n else 1), n
             sim.synchronize()
             assert sim.peek(meta._captured.count).tolist() == [n]
             assert torch.equal(sim.peek(meta.offsets)[:n], starts[:n])
+            assert torch.equal(sim.peek(meta.block_table)[:n], table[:n])
         with pytest.raises(GraphCaptureError, match="begin_decode"):
             with sim.capture(SimGraph()):
                 meta.begin_decode(2, P, steps[0][1], steps[0][2], True, capture_setup=True)

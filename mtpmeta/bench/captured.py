@@ -79,8 +79,10 @@ def measure_captured(config: StepConfig, steps: List[StepInputs], repeats: int,
             "graph_ops_per_depth": depth.data_ops + advance.data_ops,
             "graph_ops_setup": depth.data_ops, "graph_ops_advance": advance.data_ops,
         }
-        assert depth.data_ops == DEPTH_OPS and advance.data_ops == ADVANCE_OPS, (
-            "the op counts documented in mtpmeta.captured are stale")
+        if (depth.data_ops, advance.data_ops) != (DEPTH_OPS, ADVANCE_OPS):
+            raise RuntimeError(f"captured depth issued {depth.data_ops} + "
+                               f"{advance.data_ops} ops; mtpmeta.captured documents "
+                               f"{DEPTH_OPS} + {ADVANCE_OPS}")
     return out
 
 
