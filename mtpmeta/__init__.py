@@ -13,6 +13,7 @@ from .errors import (
     InvariantError,
     MTPDisabledError,
     NotAllocatedError,
+    StaleOffsetsError,
 )
 from .gpu_view import VIEW_FIELDS, ContextGPUView
 from .metadata import MTPMetadata
@@ -34,4 +35,5 @@ __all__ = [
     "InvariantError",
     "MTPDisabledError",
     "NotAllocatedError",
+    "StaleOffsetsError",
 ]

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 import mtpmeta.captured as captured_module
 from mtpmeta import VIEW_FIELDS, ContextGPUView, MTPMetadata
 from mtpmeta.captured import ADVANCE_OPS, DEPTH_OPS, CapturedRoute
-from mtpmeta.errors import GraphCaptureError, StaleOffsetsError
+from mtpmeta import GraphCaptureError, StaleOffsetsError
 from mtpmeta.simulate.config import SimConfig
 from mtpmeta.simulate.paged import PagedKVCache
 from tests.cuda_sim import CudaSim, SimGraph
@@ -420,3 +420,25 @@ def test_readme_captured_example_runs():
     exec(compile(code, "README.md", "exec"), namespace)
     assert namespace["outputs"][-1].tolist() == [0, 5, 8, 14, 16, 99, 99, 99]
     assert len(namespace["outputs"]) == DEPTHS
+
+
+def test_bench_captured_row_counts_only_begin_decode_on_the_host():
+    """The bench's captured row: the host side of a captured loop is begin_decode alone
+    (2 data ops on the mirror path, none on the direct path), with no sync and no
+    allocation, against the default graphed loop's per-depth staging; the graph holds
+    DEPTH_OPS + ADVANCE_OPS per depth."""
+    from mtpmeta.bench.captured import format_captured, measure_captured
+    from mtpmeta.bench.workload import StepConfig, make_steps
+
+    config = StepConfig(max_requests=16, block_columns=8, block_size=4, active=10,
+                        depths=3, prefill_tokens=12, inherited_blocks=2, tp=4, moves=2,
+                        swaps=1, resets=2, hidden_size=8)
+    result = measure_captured(config, make_steps(config, 2), 1, torch.device("cpu"))
+    assert set(result) == {"direct", "mirror"}
+    assert result["mirror"]["captured_host_data_ops"] == 2
+    assert result["direct"]["captured_host_data_ops"] == 0
+    assert result["mirror"]["default_graphed_data_ops"] > 2
+    for row in result.values():
+        assert row["captured_host_syncs"] == 0 and row["captured_host_allocations"] == 0
+        assert (row["graph_ops_setup"], row["graph_ops_advance"]) == (DEPTH_OPS, ADVANCE_OPS)
+    assert "replays are excluded" in format_captured(result, config.depths)
