@@ -153,10 +153,17 @@ def captured_run(path: str, steps, seed: int) -> Tuple[List[List[Dict[str, torch
 
 
 def differences(got_runs, want_runs) -> List[str]:
+    """``differences_over`` for the steps of ``schedule``."""
+    return differences_over(SCHEDULE_COUNTS, got_runs, want_runs)
+
+
+def differences_over(counts, got_runs, want_runs) -> List[str]:
     """Every (step, depth, field) where the captured loop differs from the default
-    route, over what the default route writes (KV caches compared NaN-equal)."""
+    route, over what the default route writes (KV caches compared NaN-equal);
+    ``counts[i][0]`` is step ``i``'s real request count."""
+    assert len(got_runs) == len(want_runs) == len(counts)
     bad = []
-    for (n, *_), got_depths, want_depths in zip(SCHEDULE_COUNTS, got_runs, want_runs):
+    for (n, *_), got_depths, want_depths in zip(counts, got_runs, want_runs):
         for depth, (got, want) in enumerate(zip(got_depths, want_depths)):
             parts = [(name, P) for name in PADDED_FIELDS] + [
                 (name, n) for name in REAL_FIELDS] + [(name, P + 1) for name in CU_FIELDS]
@@ -442,3 +449,72 @@ def test_bench_captured_row_counts_only_begin_decode_on_the_host():
         assert row["captured_host_syncs"] == 0 and row["captured_host_allocations"] == 0
         assert (row["graph_ops_setup"], row["graph_ops_advance"]) == (DEPTH_OPS, ADVANCE_OPS)
     assert "replays are excluded" in format_captured(result, config.depths)
+
+
+def lagging_captured_run(steps, disable_fences: bool):
+    """The captured loop on the mirror path with a device that lags far behind and no
+    host sync between steps: each step's begin_decode reuses a pinned slot while the
+    copies of earlier steps may still be queued. After each replay the graph's static
+    outputs are cloned on the stream (queued too), then everything is drained once."""
+    sim = CudaSim(7, idle=0.97, disable_fences=disable_fences)
+    kept = []
+    with sim:
+        meta = new_meta("mirror")
+        view = ContextGPUView(R, VIEW_TOKENS, W)
+        cache = PagedKVCache(CFG, torch.device("cpu"))
+        x = torch.zeros(P, CFG.heads, CFG.head_dim)
+        sim.synchronize()
+        with sim.bypass():
+            x.copy_(steps[0][3])
+        meta.begin_decode_for_capture(P, capture_setup=True)
+        graph = SimGraph()
+        with sim.capture(graph):
+            snaps = []
+            for depth in range(DEPTHS):
+                meta.setup_decode_step(view)
+                out = toy_forward(cache, view, x, depth)
+                meta.advance_decode_step()
+                snaps.append(snapshot(meta, view, cache, out))
+        meta.end_forward()
+        syncs = sim.syncs
+        for n, starts, table, _ in steps:
+            meta.begin_decode(n, P, starts, table, True, capture_setup=True)
+            graph.replay()
+            meta.end_forward()
+            kept.append([{name: t.clone() for name, t in snap.items()} for snap in snaps])
+        assert sim.syncs == syncs  # the host never waited on the whole device
+        sim.synchronize()
+        return [[{name: sim.peek(t) for name, t in snap.items()} for snap in step]
+                for step in kept], sim
+
+
+def _lagging_steps():
+    first, second = schedule(5), schedule(6)
+    x = first[0][3]
+    return [(n, starts, table, x) for n, starts, table, _ in first + second]
+
+
+@SIM_SKIP
+@pytest.mark.cuda_sim
+def test_back_to_back_captured_steps_on_a_lagging_device_stay_correct():
+    """Eight captured steps issued back to back while the device lags: the fenced
+    pinned ring of begin_decode never hands out a slot whose copies are pending, so
+    every depth of every step still equals the default route."""
+    steps = _lagging_steps()
+    got, sim = lagging_captured_run(steps, disable_fences=False)
+    assert sim.stalls > 0  # the ring did wait on a pending slot: the race was live
+    want = default_route_run("mirror", steps)
+    counts = [(n,) for n, *_ in steps]
+    assert differences_over(counts, got, want) == []
+
+
+@SIM_SKIP
+@pytest.mark.cuda_sim
+def test_negative_control_unfenced_begin_ring_corrupts_later_steps():
+    """Plant: no-op fences. A begin_decode then rewrites a pinned slot whose copies of
+    an earlier step have not run yet, that step stages the later step's count, offsets
+    and table, and the comparison must fail."""
+    steps = _lagging_steps()
+    got, _ = lagging_captured_run(steps, disable_fences=True)
+    want = default_route_run("mirror", steps)
+    assert differences_over([(n,) for n, *_ in steps], got, want) != []
