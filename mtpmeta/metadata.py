@@ -296,8 +296,9 @@ class MTPMetadata(MetadataState, CapturedLoop):
         backend.advance_decode_step(self.active_request_count)
 
     def end_forward(self) -> None:
-        """Leave MTP-forward mode; nothing else changes (a captured draft loop ends:
-        later draft calls need a new ``begin_decode``)."""
+        """Leave MTP-forward mode; no buffer changes. A captured draft loop
+        (``capture_setup=True``) ends here too: after it, default-route draft calls
+        need a new ``begin_decode`` (``StaleOffsetsError``)."""
         self.forward_mode = MTPForwardMode.NONE
         self._capture_setup = False
 
@@ -331,6 +332,11 @@ class MTPMetadata(MetadataState, CapturedLoop):
         ``advance_decode_step`` keeps), so an in-place edit of ``active_offsets`` / ``active_block_table`` does not reach it;
         call ``begin_decode`` again instead. The direct path reads the buffers and
         sees such an edit.
+
+        In a captured loop (``capture_setup=True``, SPEC §12) the depth is device ops
+        only on both paths (``mtpmeta.captured``), legal inside a CUDA graph capture:
+        pad rows are masked with the device count, a block column past the table goes
+        to ``D``, and the shape is the graphed one.
         """
         backend = self._backend
         if backend is None or self.active_offsets is None:
