@@ -42,6 +42,7 @@ from .errors import (
     InvariantError,
     MTPDisabledError,
     NotAllocatedError,
+    StaleOffsetsError,
 )
 from .gpu_view import VIEW_FIELDS, ContextGPUView
 from .metadata import MTPMetadata
@@ -63,4 +64,5 @@ __all__ = [
     "InvariantError",
     "MTPDisabledError",
     "NotAllocatedError",
+    "StaleOffsetsError",
 ]

@@ -37,6 +37,11 @@ class PersistentBuffers:
     chunk_boundary_hidden: torch.Tensor  # [1, 1, H] hidden_dtype, device: the carry
     annotations: np.ndarray  # numpy view of request_matched_prefix_blocks
     row_scratch: np.ndarray  # [2R] int32: move/swap snapshot space
+    # [1] int32, device: the captured draft loop's real request count (SPEC §12). It
+    # sits right before ``offsets`` in one allocation, so ``draft_head[:n + 1]`` (count
+    # then offsets[:n]) is one copy.
+    draft_count: Optional[torch.Tensor] = None
+    draft_head: Optional[torch.Tensor] = None  # [R + 1] int32: draft_count, offsets
 
     @classmethod
     def allocate(cls, *, max_requests: int, max_kv_block_count: int, dummy_block_idx: int,
@@ -50,9 +55,10 @@ class PersistentBuffers:
         # [2, R] int32: query and KV length staging side by side, so a copy of both
         # rows of a prefix is one strided op.
         lengths = torch.zeros((2, max_requests), dtype=torch.int32, device=device)
+        head = torch.zeros(max_requests + 1, dtype=torch.int32, device=device)
         return cls(
             request_matched_prefix_blocks=annotations,
-            offsets=torch.zeros(max_requests, dtype=torch.int32, device=device),
+            offsets=head[1:],
             block_table=torch.full((max_requests, max_kv_block_count), dummy_block_idx,
                                    dtype=block_table_dtype, device=device),
             query_lengths=lengths[0],
@@ -62,4 +68,6 @@ class PersistentBuffers:
                                               device=device),
             annotations=annotations.numpy(),
             row_scratch=np.zeros(2 * max_requests, dtype=np.int32),
+            draft_count=head[:1],
+            draft_head=head,
         )

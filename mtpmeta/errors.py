@@ -61,10 +61,21 @@ class GraphCaptureError(RuntimeError):
     """A staging call ran while the buffers' device stream was capturing a CUDA graph.
 
     ``graphed=True`` means the MTP *forward* replays a captured graph; the metadata
-    setup runs eagerly before each replay (contract §9). Captured, it would bake a pinned
+    setup runs eagerly before each replay (contract §9), unless the draft loop was begun
+    with ``capture_setup=True`` (contract §12), whose per-depth calls are device ops only
+    and are never refused. Captured, it would bake a pinned
     staging slot, a host-side decision and the captured request count into the graph,
     and a replay would leave the host's copy of the draft state behind the device's.
     """
 
 
 __all__ += ["InvariantError", "GraphCaptureError"]
+
+
+class StaleOffsetsError(ForwardModeError):
+    """A default-route draft call after a captured depth (SPEC §12), before a new
+    ``begin_decode``: the device advanced the offsets without the host, so the host's
+    copy of them is no longer the truth and nothing may be computed from it."""
+
+
+__all__ += ["StaleOffsetsError"]

@@ -20,6 +20,7 @@ from .checks import (check_allocate, check_begin_decode, check_carry,
                      raise_position_error, raise_refused_row_pair)
 from .errors import CarryNotAllocatedError, ForwardModeError, MTPDisabledError
 from .inputs import as_row_indices, check_flag, raise_row_out_of_range
+from .captured_loop import CapturedLoop
 from .state import MetadataState, carry_setter, install_debug_checks_from_env
 from .types import ForwardRecord, ForwardShape, MTPForwardMode
 
@@ -38,7 +39,7 @@ _move_rows, _swap_rows, _reset_rows = (native.rows.move_rows, native.rows.swap_r
 _record_carry = native.carry.record
 
 
-class MTPMetadata(MetadataState):
+class MTPMetadata(MetadataState, CapturedLoop):
     """MTP request annotations, chunk carry, and KV-cache forward buffers.
 
     A drop-in for upstream's pure-torch class (``core.inference.contexts.mtp_metadata``):
@@ -269,9 +270,16 @@ class MTPMetadata(MetadataState):
     # ---------------------------------------------------------------- draft loop
     def begin_decode(self, active_request_count: int, padded_count: int,
                      start_positions: Tensor, block_table_src: Tensor,
-                     graphed: bool) -> None:
+                     graphed: bool, *, capture_setup: bool = False) -> None:
         """Stage the draft loop: copy (never alias) ``start_positions[:n]`` into
         ``offsets[:n]`` and ``block_table_src[:n]`` into ``block_table[:n]``; enter DRAFT.
+
+        ``capture_setup=True`` (implies ``graphed=True``) opens a captured draft loop
+        (contract §12, README "Captured draft loop"): the device count ``n`` is staged too,
+        and the loop's ``setup_decode_step`` / ``advance_decode_step`` are then device
+        ops only, legal inside a CUDA graph captured after
+        ``begin_decode_for_capture(padded_count, capture_setup=True)``. Use the same
+        ``padded_count`` the replayed graph was captured at.
 
         start_positions: int [>= n] (tensor, array or sequence): per request the position
         depth 0 writes, its MTP KV length; block_table_src: int [>= n,
@@ -292,6 +300,10 @@ class MTPMetadata(MetadataState):
         geometry = self._geometry
         count, padded, starts, table, on_device = check_begin_decode(
             geometry, active_request_count, padded_count, start_positions, block_table_src)
+        if capture_setup:
+            self._begin_captured(backend, count, padded, starts, table, on_device)
+            self._unchecked_table = None
+            return
         if on_device:
             backend.begin_decode_device(count, starts, table)
             self._unchecked_table = (table, count)  # for check_invariants only
@@ -301,9 +313,14 @@ class MTPMetadata(MetadataState):
             self._unchecked_table = None
         self._enter_checked(count, padded, graphed)
 
-    def begin_decode_for_capture(self, padded_count: int) -> None:
+    def begin_decode_for_capture(self, padded_count: int, *,
+                                 capture_setup: bool = False) -> None:
         """Scratch-only draft state for CUDA-graph capture: ``offsets[:p] = 0``,
-        ``block_table[:p] = D``, then DRAFT with ``n = p`` and ``graphed=True``."""
+        ``block_table[:p] = D``, then DRAFT with ``n = p`` and ``graphed=True``.
+
+        ``capture_setup=True``: the loop's setup calls are device ops only, to be
+        captured with the forward (contract §12); a replay without a fresh ``begin_decode``
+        continues from wherever the last one left the device offsets."""
         if not self.enabled:
             raise MTPDisabledError("begin_decode_for_capture: MTP KV caching is disabled "
                                    "(enabled=False)")
@@ -311,21 +328,32 @@ class MTPMetadata(MetadataState):
         _, padded = check_decode_counts(self._geometry, 0, padded_count)
         backend.begin_decode_for_capture(padded)
         self._unchecked_table = None
+        if capture_setup:
+            return self._begin_captured_for_capture(padded)
         self._enter_checked(padded, padded, True)
 
     def advance_decode_step(self) -> None:
         """Advance every active request's write position by one, in place (device
         buffer and host copy alike). Needs DRAFT (``ForwardModeError`` after
         ``end_forward`` or in COMMIT, changing nothing); the last depth's advance may
-        step one past the table, where a setup is refused."""
+        step one past the table, where a setup is refused. In a captured loop
+        (``capture_setup=True``): one device add over the ``padded_count`` rows, legal
+        inside a capture."""
         backend = self._backend
         if backend is None or self._forward_mode is not _DRAFT:
             backend = self._require_draft_views("advance_decode_step")
+        if self._capture_setup:
+            return self._captured_advance()
+        if self._offsets_stale:
+            self._refuse_stale("advance_decode_step")
         backend.advance_decode_step(self.active_request_count)
 
     def end_forward(self) -> None:
-        """Leave MTP-forward mode; nothing else changes."""
+        """Leave MTP-forward mode; no buffer changes. A captured draft loop
+        (``capture_setup=True``) ends here too: after it, default-route draft calls
+        need a new ``begin_decode`` (``StaleOffsetsError``)."""
         self._forward_mode = MTPForwardMode.NONE
+        self._capture_setup = False
 
     def stage_decode_lengths(self) -> Tuple[Tensor, Tensor]:
         """Stage one draft depth's MHA lengths: query 1, KV ``active_offsets + 1``.
@@ -336,6 +364,11 @@ class MTPMetadata(MetadataState):
         backend = self._backend
         if backend is None or self._forward_mode is not _DRAFT:
             backend = self._require_draft_views("stage_decode_lengths")
+        if self._capture_setup:  # device ops over padded_count rows, pad rows 0
+            self._captured_lengths()
+            return self._active_lengths
+        if self._offsets_stale:
+            self._refuse_stale("stage_decode_lengths")
         backend.stage_decode_lengths(self.active_request_count)
         return self._active_lengths
 
@@ -360,6 +393,11 @@ class MTPMetadata(MetadataState):
         ``advance_decode_step`` keeps), so an in-place edit of ``active_offsets`` / ``active_block_table`` does not reach it;
         call ``begin_decode`` again instead. The direct path reads the buffers and
         sees such an edit.
+
+        In a captured loop (``capture_setup=True``, contract §12) the depth is device ops
+        only on both paths (``mtpmeta.captured``), legal inside a CUDA graph capture:
+        pad rows are masked with the device count, a block column past the table goes
+        to ``D``, and the shape is the graphed one.
         """
         backend = self._backend
         if backend is None or self.active_offsets is None:
@@ -373,6 +411,8 @@ class MTPMetadata(MetadataState):
         if padded > target.max_tokens or padded > target.max_requests or \
                 target.width != self.max_kv_block_count:  # the cheap per-depth check
             check_decode_view(self._geometry, target, padded)
+        if self._capture_setup:  # contract §12: device ops only, legal inside a capture
+            return self._captured_step(target, gpu_view)
         if backend.host_offsets_known:  # device start positions: not checked (a sync)
             check_draft_blocks(self._geometry, target, backend.host_offsets,
                                backend.host_block_table, count)

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from .backend import Backend
 from .buffers import PersistentBuffers
+from .captured import CapturedRoute
 from .checks import Geometry, check_decode_counts
 from .inputs import dtype_range
 from .direct import DirectBackend
@@ -116,6 +117,8 @@ class MetadataState:
         # (device block_table_src, n) of a device-route begin_decode, until the next
         # check_invariants compares the buffer with it (ids are not checked on the host)
         self._unchecked_table: Optional[Tuple[Tensor, int]] = None
+        self._captured = None  # CapturedRoute of the allocation (mtpmeta.captured)
+        self._capture_setup = self._offsets_stale = False  # mtpmeta.captured_loop
 
     def _allocation(self, device: torch.device, mirror: bool, max_tokens: int,
                     staging_slots: int) -> Tuple[PersistentBuffers, Backend, Geometry]:
@@ -151,6 +154,10 @@ class MetadataState:
         DRAFT pointing at views of the dropped buffers (upstream's would)."""
         self._buffers, self._backend, self._geometry = buffers, backend, geometry
         self._memo = None if buffers is None else ForwardMemo(buffers, geometry)
+        self._captured = None if buffers is None else CapturedRoute(
+            buffers, block_size=self.block_size_tokens, dummy=self.dummy_block_idx,
+            mirror=backend.mirror, runtime=getattr(backend, "runtime", get_runtime()))
+        self._capture_setup = self._offsets_stale = False
         self.active_offsets = self.active_block_table = self._active_lengths = None
         self.last_forward = self._unchecked_table = None
         self._forward_mode = MTPForwardMode.NONE
@@ -192,6 +199,7 @@ class MetadataState:
         self.graphed = graphed
         self._forward_mode = MTPForwardMode.DRAFT
         self._decode_record = None  # a new draft loop: its first depth makes a record
+        self._capture_setup = self._offsets_stale = False  # a captured begin sets it after
 
     def _require_draft_views(self, method: str) -> Any:
         backend = self._require(method)

@@ -177,8 +177,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(spread_line(results))
     for line in load_lines(load) if load else ():
         print(line)
+    from .captured import format_captured, measure_captured  # the captured draft loop
+
+    captured = measure_captured(config, steps, repeats, device)
+    print(format_captured(captured, config.depths))
     output: Dict[str, Any] = {"config": asdict(config), "device": str(device),
-                              "results": results, "load": load}
+                              "results": results, "load": load, "captured": captured}
     if floors:
         output["kernel_floor"] = {"us_per_step": floors["kernel floor"],
                                   "us_per_step_torch_inputs":

@@ -32,6 +32,7 @@ ROWS = (
     ("paused / resumed", "paused", "resumed"),
     ("row moves / swaps / resets", "row moves", None),
     ("draft loops eager / graphed", "draft loops (eager)", "draft loops (graphed)"),
+    ("draft loops captured (setup)", "draft loops (captured)", None),
     ("padded commits / draft loops", "commit passes with TP pad",
      "draft loops with padded rows"),
 )

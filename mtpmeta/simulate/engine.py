@@ -19,7 +19,10 @@ A step, in order (``Engine.step``):
    ``advance_decode_step``, then ``end_forward``) over the decoding requests: depth 0
    writes the last committed position (main hidden + bonus token) and drafts token 1;
    depth ``j`` feeds the MTP hidden and draft ``j`` of depth ``j - 1``. Request slots are
-   padded to a bucket; every other step is ``graphed=True``.
+   padded to a bucket; every other step is ``graphed=True``, and every fourth step
+   takes the captured draft loop instead (``capture_setup=True``, SPEC §12: the setup
+   of each depth is device ops only, replayed from CUDA graphs on CUDA; see
+   ``mtpmeta.simulate.captured``).
 5. **Retire** finished requests and compact the rows (``move_request_rows``,
    ``reset_request_rows``).
 
@@ -39,6 +42,7 @@ from torch import Tensor
 from ..gpu_view import ContextGPUView
 from ..layout import round_up
 from ..metadata import MTPMetadata
+from .captured import CapturedSetups
 from .checks import Checker, Expectation
 from .config import SimConfig
 from .mismatch import Mismatch
@@ -83,6 +87,7 @@ class Engine:
         self.scheduler = Scheduler(config, np.random.default_rng(seed), self.rows,
                                    self.stats)
         self.checker = Checker(config, self.model, self.cache, self.view)
+        self.captured = CapturedSetups(self.mtp, self.view, self.device)
         self.step_index = 0
         self.forward_label: Optional[str] = None
         self.mtp.reset_request_rows()  # all rows free (the default slice(None))
@@ -136,6 +141,11 @@ class Engine:
             self._forward(expect.x, shape, expect)
             self.mtp.end_forward()
             self._count("capture warmups")
+            self.forward_label = f"#{self._forwards()} captured warmup ({bucket} rows)"
+            shape = self.captured.warm(bucket)
+            self._forward(expect.x, shape, expect)
+            self.mtp.end_forward()
+            self._count("captured warmups")
 
     def buckets(self) -> List[int]:
         """Graphed draft sizes: powers of two below ``R``, and ``R``."""
@@ -294,13 +304,14 @@ class Engine:
             return
         cfg, n = self.config, len(works)
         graphed = self.step_index % 2 == 0
+        captured = self.step_index % 4 == 0  # a graphed step's padding, setup captured
         padded = next(b for b in self.buckets() if b >= n) if graphed else \
             min(cfg.max_requests, round_up(n, cfg.tp))
         requests = [w.request for w in works]
         positions = torch.tensor([len(r.tokens) - 2 for r in requests], device=self.device)
         table = self.rows.table[[self.rows.row_of(r) for r in requests]]
         self.mtp.begin_decode(n, padded, positions.to(device="cpu", dtype=torch.int32),
-                              table, graphed)
+                              table, graphed, capture_setup=captured)
         hidden = torch.stack([w.draft_hidden for w in works])
         in_tokens = torch.tensor([r.tokens[-1] for r in requests], device=self.device)
         drafts = []
@@ -318,18 +329,23 @@ class Engine:
                                  torch.cat([x, self._pad_rows(padded - n)]), padded,
                                  slots, padded, every_output, speculative=depth > 0)
             self.forward_label = f"#{self._forwards()} draft depth {depth}"
-            shape = self.mtp.setup_decode_step(self.view)
+            shape = self.captured.setup(padded) if captured else \
+                self.mtp.setup_decode_step(self.view)
             out = self._forward(expect.x, shape, expect)
             hidden, in_tokens = self.model.draft(out[:n], x, in_tokens)
             drafts.append(in_tokens.tolist())
             positions = positions + 1
-            self.mtp.advance_decode_step()
+            if captured:
+                self.captured.advance(padded)
+            else:
+                self.mtp.advance_decode_step()
         self.mtp.end_forward()
         self.forward_label = None
         self.checker.end_draft_loop()
         for i, request in enumerate(requests):
             request.drafts = [depth[i] for depth in drafts]
-        self._count("draft loops (graphed)" if graphed else "draft loops (eager)")
+        self._count("draft loops (captured)" if captured else
+                    "draft loops (graphed)" if graphed else "draft loops (eager)")
         self._count("draft loops with padded rows", padded > n)
         self._count("draft tokens", n * cfg.depths)
 

@@ -13,6 +13,12 @@ as a fused attention kernel would:
   that many entries of the blocks ``mha_block_table[i, :ceil(kv / BS)]`` laid end to
   end; query ``j`` of ``q`` sits at key position ``kv - q + j`` and attends causally.
 
+``write_rows`` / ``attend_decode`` are the same two kernels in fixed shapes with no
+read-back and no check (they cannot raise), so they can be captured in a CUDA graph
+with the captured draft loop (SPEC §12): ``attend_decode`` gathers every slot's
+``W * BS`` key positions through its block row (``-1`` clamped into the cache) and
+masks those at or past the slot's KV length.
+
 Unwritten cache entries hold NaN, so reading a slot nobody wrote poisons the output.
 A block id outside ``[0, D]`` (say ``-1``) is an out-of-bounds access on a GPU; here
 it raises ``Mismatch`` instead.
@@ -21,6 +27,8 @@ it raises ``Mismatch`` instead.
 from __future__ import annotations
 
 from typing import Any, List, Tuple
+
+import math
 
 import torch
 from torch import Tensor
@@ -114,3 +122,39 @@ class PagedKVCache:
             rows = slice(cu_q[i], cu_q[i + 1])
             out[rows] = causal_attention(q[rows], keys, values, positions)
         return out, reads
+
+    # ------------------------------------------------------------ capturable twins
+    def write_rows(self, view: Any, k: Tensor, v: Tensor, rows: int) -> None:
+        """``write`` with no bounds check or read-back (capturable): token rows
+        ``[0, rows)`` of the view, pad rows included, get ``k, v [rows, heads, dim]``."""
+        blocks = view.token_to_block_idx[:rows].long()
+        slots = view.token_to_local_position_within_kv_block[:rows].long()
+        self.k.index_put_((blocks, slots), k)
+        self.v.index_put_((blocks, slots), v)
+
+    def attend_decode(self, q: Tensor, view: Any, slots: int) -> Tensor:
+        """One draft depth's paged attention for request slots ``0..slots-1``, query row
+        ``i`` of ``q [slots, heads, dim]`` in slot ``i``, in fixed shapes (capturable).
+
+        Reads ``cu_q``/``cu_kv`` (a slot with no query row outputs 0), the KV lengths
+        implied by ``cu_kv`` and ``mha_block_table``; the last query of a slot sits at
+        its last key, so a draft query attends over all ``kv`` keys. Returns
+        ``[slots, heads, dim]``.
+        """
+        block_size = self.block_size
+        table = view.mha_block_table[:slots].long().clamp(0, self.dummy)  # [s, W]
+        span = table.shape[1] * block_size
+        positions = torch.arange(span, device=q.device)  # [L]
+        cu_q = view.mha_cu_query_seq_lengths[:slots + 1].long()
+        cu_kv = view.mha_cu_kv_seq_lengths[:slots + 1].long()
+        has_query = (cu_q[1:] - cu_q[:-1]) > 0  # [s]
+        valid = positions[None, :] < (cu_kv[1:] - cu_kv[:-1])[:, None]  # [s, L]
+        blocks = table[:, positions // block_size]  # [s, L]
+        local = (positions % block_size)[None, :].expand_as(blocks)
+        keys = torch.where(valid[..., None, None], self.k[blocks, local], 0.0)
+        values = torch.where(valid[..., None, None], self.v[blocks, local], 0.0)
+        scores = (keys * q[:, None]).sum(-1) / math.sqrt(q.shape[-1])  # [s, L, heads]
+        weights = torch.softmax(scores.masked_fill(~valid[..., None], float("-inf")), 1)
+        weights = torch.where(valid[..., None], weights, 0.0)  # no key: 0, not NaN
+        out = (weights[..., None] * values).sum(1)  # [s, heads, dim]
+        return torch.where(has_query[:, None, None], out, 0.0)

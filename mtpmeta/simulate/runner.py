@@ -22,7 +22,8 @@ FEATURES = (
     "carries invalidated", "prefix hits", "inherited redirects", "paused", "resumed",
     "row moves", "row swaps", "row resets", "compactions (shift)", "compactions (tail)",
     "commit passes with TP pad", "draft loops (eager)", "draft loops (graphed)",
-    "draft loops with padded rows", "capture warmups", "drafts accepted",
+    "draft loops (captured)", "draft loops with padded rows", "capture warmups",
+    "captured warmups", "drafts accepted",
     "drafts rejected", "attention output checks",
 )
 

@@ -1,0 +1,265 @@
+"""The captured draft loop (SPEC §12): a draft depth's setup as device ops only, so it
+can live inside the CUDA graph of the MTP forward.
+
+``begin_decode(..., capture_setup=True)`` runs eagerly and stages ``offsets[:n]``,
+``block_table[:n]`` and a device-resident request count ``count = [n]``. After it,
+``setup_decode_step`` / ``advance_decode_step`` / ``stage_decode_lengths`` of the loop
+are a fixed sequence of torch ops over ``p = padded_count`` rows of fixed-address
+buffers (the persistent buffers, the scratch below, the destination view). They read
+no host memory, no pinned slot and no host scalar that changes between steps, allocate
+nothing and never sync, so a graph captured once at ``p`` (after
+``begin_decode_for_capture(p, capture_setup=True)``) replays correctly for every real
+count ``n' <= p`` that a later ``begin_decode`` stages. Rows ``[n', p)`` are masked with
+the device count: token block ``D``, local 0, zero lengths, flat cumulative sums,
+``-1`` block rows. A real row whose block column falls outside ``[0, W)`` also goes to
+``D`` (the device cannot raise; the default route refuses such a position instead).
+
+The same torch ops run on both backends: on the direct path the device is the CPU and
+a replayed graph could never re-run a numba kernel, so this route uses none.
+
+Fields the default route leaves untouched on pad rows (request index, both positions)
+are written here with the rows' ids and offsets: a forward must not read them there
+(the default route gives them no meaning either).
+
+Cost note: 26 device ops per depth (``DEPTH_OPS``), 1 per advance, all inside the graph
+at replay; the host's only work per step is ``begin_decode``: 2 H2D copies (count and
+offsets prefix together, table prefix) on the mirror path, no torch op on the direct
+path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from . import native
+from .buffers import PersistentBuffers
+from .cache import BoundedCache
+from .gpu_view import ViewTarget
+from .layout import PackedLayout
+from .runtime import DeviceRuntime
+from .staging import StagingRing
+
+__all__ = ["CapturedRoute", "mark_pad_rows", "DEPTH_OPS", "ADVANCE_OPS"]
+
+DEPTH_OPS = 26  # device ops one captured setup_decode_step issues (tests count them)
+ADVANCE_OPS = 1  # device ops one captured advance_decode_step issues
+_BEGIN_SLOTS = 2  # begin_decode runs once per step: double buffering is enough
+
+
+def mark_pad_rows(row_ids: Tensor, count: Tensor, out: Tensor) -> Tensor:
+    """``out[i] = row_ids[i] >= count[0]``: the pad mask, from the device count.
+
+    row_ids: [p] int64; count: [1] int32 (device); out: [p] bool. One device op.
+    """
+    return torch.ge(row_ids, count, out=out)
+
+
+@dataclass(frozen=True)
+class _LengthViews:
+    """Fixed views of the masked length staging at padded count ``p``."""
+
+    row_ids: Tensor  # [p] int64, 0..p-1
+    offsets: Tensor  # [p] int32, persistent offsets
+    pad: Tensor  # [p] bool scratch: row >= n
+    query: Tensor  # [p] int32, persistent query lengths
+    kv: Tensor  # [p] int32, persistent KV lengths
+
+
+@dataclass(frozen=True)
+class _DepthViews:
+    """Fixed views one captured depth at padded count ``p`` writes through."""
+
+    row_ids: Tensor  # [p] int64, 0..p-1
+    offsets: Tensor  # [p] int32, persistent offsets
+    table: Tensor  # [p, W] persistent block table
+    pad: Tensor  # [p] bool scratch: row >= n
+    pad_2d: Tensor  # [p, 1] the same, broadcast over block columns
+    outside: Tensor  # [p] bool scratch: pad row, negative offset or column >= W
+    high: Tensor  # [p] bool scratch: column >= W
+    columns: Tensor  # [p] int64 scratch: block column of each offset
+    columns_2d: Tensor  # [p, 1] the same, for gather
+    gathered: Tensor  # [p, 1] scratch of the table dtype
+    gathered_1d: Tensor  # [p] the same
+    query: Tensor  # [p] int32, persistent query lengths
+    kv: Tensor  # [p] int32, persistent KV lengths
+    fields: Any  # ViewFields of the view prefixes [:p] ([:p + 1] for cu arrays)
+    cu_heads: Any  # (cu_q [:1], cu_kv [:1])
+    cu_bodies: Any  # (cu_q [1:p+1], cu_kv [1:p+1])
+
+
+class CapturedRoute:
+    """Device-count draft loop over fixed buffers; see the module docstring.
+
+    Holds, from ``allocate`` on (never allocated later):
+    ``count`` (``PersistentBuffers.draft_count``, [1] int32 device: the loop's real
+    request count ``n``, stored just before ``offsets``), ``[3, R]`` bool mask scratch,
+    ``[R]`` int64 column scratch, ``[R, 1]`` gathered-block scratch and, on the mirror
+    path, a double-buffered pinned ring whose slot packs ``count, offsets [R + 1]
+    int32 | block_table [R, W]``.
+    """
+
+    def __init__(self, buffers: PersistentBuffers, *, block_size: int, dummy: int,
+                 mirror: bool, runtime: DeviceRuntime) -> None:
+        self.buffers = buffers
+        self.block_size = block_size
+        self.dummy = dummy
+        self.mirror = mirror
+        requests, width = buffers.block_table.shape
+        self.width = width
+        device = buffers.offsets.device
+        self.count = buffers.draft_count  # [1] int32: n, just before offsets
+        # [3, R] bool: pad rows, outside rows, columns past the table.
+        self._masks = torch.zeros((3, requests), dtype=torch.bool, device=device)
+        self._columns = torch.zeros(requests, dtype=torch.int64, device=device)  # [R]
+        self._gathered = torch.zeros((requests, 1), dtype=buffers.block_table.dtype,
+                                     device=device)  # [R, 1]
+        self._host_count = None if mirror else self.count.numpy()  # direct: same memory
+        self._ring: Optional[StagingRing] = None
+        if mirror:
+            layout = PackedLayout.build((
+                ("head", torch.int32, (requests + 1,)),  # count, then offsets
+                ("block_table", buffers.block_table.dtype, (requests, width))), align=8)
+            self._ring = StagingRing(layout.nbytes, _BEGIN_SLOTS, device, runtime)
+            self._slot_arrays = [layout.arrays(self._ring.host_np[i])
+                                 for i in range(_BEGIN_SLOTS)]
+            self._slot_tensors = [layout.tensors(self._ring.slots[i])
+                                  for i in range(_BEGIN_SLOTS)]
+        self._copies = BoundedCache(512)  # (slot, n) -> [(dst, src)] H2D copy pairs
+        self._lengths_plans = BoundedCache(256)  # p -> _LengthViews
+
+    # ----------------------------------------------------------------- staging
+    def stage_count(self, count: int, slot: Optional[int] = None) -> None:
+        """Write the loop's real request count ``n`` for the device: into the pinned
+        ``slot`` (mirror; ``begin_mirror`` copies it) or straight into ``count``
+        (direct, a numpy write: no torch op). The negative-control seam of the tests."""
+        if slot is None:
+            self._host_count[0] = count
+        else:
+            self._slot_arrays[slot].head[0] = count
+
+    def begin_direct(self, count: int) -> None:
+        """Direct path: ``offsets``/``block_table`` were written by the default kernel;
+        only the device count is left."""
+        self.stage_count(count)
+
+    def begin_mirror(self, count: int, start_positions: np.ndarray, table_src: np.ndarray,
+                     block_size: int) -> None:
+        """Mirror path, host inputs already validated: pack ``n``, ``offsets[:n]`` and
+        ``block_table[:n]`` into one fenced pinned slot, then 2 async copies (1 when
+        ``n == 0``): ``draft_head[:n + 1]`` (count and offsets, adjacent on both sides)
+        and ``block_table[:n]``."""
+        ring = self._ring
+        slot = ring.acquire()
+        arrays = self._slot_arrays[slot]
+        native.staging.copy_decode_inputs(start_positions, table_src, count, block_size,
+                                          arrays.head[1:], arrays.block_table)
+        self.stage_count(count, slot)
+        copies = self._copies.get((slot, count))
+        if copies is None:
+            staged, buffers = self._slot_tensors[slot], self.buffers
+            copies = [(buffers.draft_head[:count + 1], staged.head[:count + 1])]
+            if count:
+                copies.append((buffers.block_table[:count], staged.block_table[:count]))
+            self._copies.put((slot, count), copies)
+        for dst, src in copies:
+            dst.copy_(src, non_blocking=True)
+        ring.release(slot)
+
+    def begin_device(self, count: int) -> None:
+        """Mirror path with device-tensor start positions (already copied on the
+        device): the count is a device fill with a host scalar, issued eagerly."""
+        self.count.fill_(count)
+
+    def begin_capture(self, padded: int) -> None:
+        """``begin_decode_for_capture(p, capture_setup=True)``: every row real (the
+        default kernel already zeroed the offsets and filled the table with ``D``)."""
+        if self.mirror:
+            self.count.fill_(padded)
+        else:
+            self._host_count[0] = padded
+
+    # ------------------------------------------------------------- draft loop
+    def decode_step(self, target: ViewTarget, padded: int) -> None:
+        """One draft depth over ``padded`` rows: ``DEPTH_OPS`` device ops, no host read."""
+        v = target.plans.get(("captured_step", padded))
+        if v is None:
+            v = self._depth_views(target, padded)
+            target.plans.put(("captured_step", padded), v)
+        f = v.fields
+        mark_pad_rows(v.row_ids, self.count, v.pad)
+        torch.floor_divide(v.offsets, self.block_size, out=v.columns)
+        torch.lt(v.offsets, 0, out=v.outside)
+        torch.ge(v.columns, self.width, out=v.high)
+        torch.logical_or(v.outside, v.high, out=v.outside)
+        torch.logical_or(v.outside, v.pad, out=v.outside)
+        v.columns.clamp_(0, self.width - 1)
+        torch.gather(v.table, 1, v.columns_2d, out=v.gathered)
+        f.token_to_block_idx.copy_(v.gathered_1d)
+        f.token_to_block_idx.masked_fill_(v.outside, self.dummy)
+        torch.remainder(v.offsets, self.block_size,
+                        out=f.token_to_local_position_within_kv_block)
+        f.token_to_local_position_within_kv_block.masked_fill_(v.pad, 0)
+        f.token_to_request_idx.copy_(v.row_ids)
+        f.token_to_position_in_request.copy_(v.offsets)
+        f.token_to_pos_ids.copy_(v.offsets)
+        self._lengths(v)
+        f.mha_query_lengths.copy_(v.query)
+        f.mha_kv_seq_lengths.copy_(v.kv)
+        cu_q_head, cu_kv_head = v.cu_heads
+        cu_q_body, cu_kv_body = v.cu_bodies
+        cu_q_head.zero_()
+        cu_kv_head.zero_()
+        torch.cumsum(v.query, 0, dtype=cu_q_body.dtype, out=cu_q_body)
+        torch.cumsum(v.kv, 0, dtype=cu_kv_body.dtype, out=cu_kv_body)
+        f.mha_block_table.copy_(v.table)
+        f.mha_block_table.masked_fill_(v.pad_2d, -1)
+
+    def _lengths(self, v: Any) -> None:
+        """Query 1 and KV ``offset + 1`` on real rows, 0 on pad rows (3 ops; ``v.pad``
+        holds the pad mask)."""
+        torch.logical_not(v.pad, out=v.query)
+        torch.add(v.offsets, 1, out=v.kv)
+        v.kv.masked_fill_(v.pad, 0)
+
+    def stage_decode_lengths(self, padded: int) -> None:
+        """``stage_decode_lengths`` over ``padded`` rows, masked (4 device ops)."""
+        v = self._lengths_views(padded)
+        mark_pad_rows(v.row_ids, self.count, v.pad)
+        self._lengths(v)
+
+    def advance_decode_step(self, padded: int) -> None:
+        """``offsets[:padded] += 1`` in place: one device op (pad rows move too; they
+        are masked at every depth)."""
+        self.buffers.offsets[:padded].add_(1)
+
+    # ------------------------------------------------------------------- views
+    def _lengths_views(self, p: int) -> "_LengthViews":
+        v = self._lengths_plans.get(p)
+        if v is None:
+            buffers = self.buffers
+            v = _LengthViews(buffers.row_ids[:p], buffers.offsets[:p], self._masks[0, :p],
+                             buffers.query_lengths[:p], buffers.kv_lengths[:p])
+            self._lengths_plans.put(p, v)
+        return v
+
+    def _depth_views(self, target: ViewTarget, p: int) -> _DepthViews:
+        buffers = self.buffers
+        view = target.fields
+        prefix = type(view)(**{name: tensor[:p + 1] if name.startswith("mha_cu_")
+                               else tensor[:p] for name, tensor in zip(view._fields, view)})
+        return _DepthViews(
+            row_ids=buffers.row_ids[:p],
+            offsets=buffers.offsets[:p], table=buffers.block_table[:p],
+            pad=self._masks[0, :p], pad_2d=self._masks[0, :p].unsqueeze(1),
+            outside=self._masks[1, :p], high=self._masks[2, :p],
+            columns=self._columns[:p], columns_2d=self._columns[:p].unsqueeze(1),
+            gathered=self._gathered[:p], gathered_1d=self._gathered[:p, 0],
+            query=buffers.query_lengths[:p], kv=buffers.kv_lengths[:p], fields=prefix,
+            cu_heads=(view.mha_cu_query_seq_lengths[:1], view.mha_cu_kv_seq_lengths[:1]),
+            cu_bodies=(view.mha_cu_query_seq_lengths[1:p + 1],
+                       view.mha_cu_kv_seq_lengths[1:p + 1]))
