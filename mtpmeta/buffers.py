@@ -37,7 +37,7 @@ class PersistentBuffers:
     chunk_boundary_hidden: torch.Tensor  # [1, 1, H] hidden_dtype, device: the carry
     annotations: np.ndarray  # numpy view of request_matched_prefix_blocks
     row_scratch: np.ndarray  # [2R] int32: move/swap snapshot space
-    # [1] int32, device: the captured draft loop's real request count (SPEC §12). It
+    # [1] int32, device: the captured draft loop's real request count (contract §12). It
     # sits right before ``offsets`` in one allocation, so ``draft_head[:n + 1]`` (count
     # then offsets[:n]) is one copy.
     draft_count: Optional[torch.Tensor] = None

@@ -1,4 +1,4 @@
-"""The captured draft loop (SPEC §12): a draft depth's setup as device ops only, so it
+"""The captured draft loop (contract §12): a draft depth's setup as device ops only, so it
 can live inside the CUDA graph of the MTP forward.
 
 ``begin_decode(..., capture_setup=True)`` runs eagerly and stages ``offsets[:n]``,

@@ -1,4 +1,4 @@
-"""``MTPMetadata``'s entry points into the captured draft loop (SPEC §12).
+"""``MTPMetadata``'s entry points into the captured draft loop (contract §12).
 
 A mixin of ``MTPMetadata``: the public methods (``begin_decode``,
 ``begin_decode_for_capture``, ``setup_decode_step``, ``advance_decode_step``,

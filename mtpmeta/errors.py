@@ -73,7 +73,7 @@ __all__ += ["InvariantError", "GraphCaptureError"]
 
 
 class StaleOffsetsError(ForwardModeError):
-    """A default-route draft call after a captured depth (SPEC §12), before a new
+    """A default-route draft call after a captured depth (contract §12), before a new
     ``begin_decode``: the device advanced the offsets without the host, so the host's
     copy of them is no longer the truth and nothing may be computed from it."""
 

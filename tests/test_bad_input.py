@@ -1,4 +1,4 @@
-"""SPEC §8: every public method validates before it writes.
+"""contract §8: every public method validates before it writes.
 
 Each case primes an object (annotations, a staged draft loop, staged lengths, a live
 carry) and three sentinel-filled views, snapshots ALL of it, makes one bad call, and

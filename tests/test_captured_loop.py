@@ -1,4 +1,4 @@
-"""The captured draft loop (SPEC §12) against the default route, on both paths.
+"""The captured draft loop (contract §12) against the default route, on both paths.
 
 The main test captures a whole 3-depth draft loop (setup, a toy forward that appends
 KV into a paged cache through the token maps and attends through the MHA fields, and

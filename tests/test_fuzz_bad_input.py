@@ -1,4 +1,4 @@
-"""SPEC §8 under fuzz: generated bad input at every public method, on both paths.
+"""contract §8 under fuzz: generated bad input at every public method, on both paths.
 
 Failure story: a scheduler bug hands the library a float tensor, a transposed table, a
 row index past the batch, a count that overflows. If any of it slips past validation, or

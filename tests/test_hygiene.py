@@ -173,7 +173,7 @@ MIRROR_DATA_OPS_NOW = 36  # this design's count: a regression guard
 @counts_production_ops
 @pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
 def test_graphed_draft_loop_costs_the_ops_of_an_eager_one(graphed):
-    """SPEC §9: a graphed depth's setup runs on the host-staged route like an eager
+    """contract §9: a graphed depth's setup runs on the host-staged route like an eager
     depth. The graphed draft loop used to take the device-op route, about 90 torch ops
     per standard step against 44, and it must make no sync either way."""
     eager = _standard_step_counts(STANDARD)

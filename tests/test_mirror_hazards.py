@@ -96,7 +96,7 @@ def test_staging_calls_are_refused_inside_a_graph_capture_and_change_nothing():
 def test_graphed_depths_take_the_host_staged_route_of_eager_ones():
     """Failure story: a graphed depth took a device-op route (about 30 ops a depth, and
     what a capture of it baked in read rows [n, padded) stale from an earlier, larger
-    batch). SPEC §9: a graphed depth's setup runs eagerly on the same host-staged route
+    batch). contract §9: a graphed depth's setup runs eagerly on the same host-staged route
     as an eager depth: the same torch ops, and the reference's view, also when a
     smaller batch follows a larger one."""
     meta = make_metadata("mirror")

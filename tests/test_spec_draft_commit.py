@@ -1,4 +1,4 @@
-"""SPEC §5 (draft loop), §6 (commit-pass lengths) and the fused entry points
+"""contract §5 (draft loop), §6 (commit-pass lengths) and the fused entry points
 ``setup_decode_step`` / ``setup_commit_pass``, with values worked out by hand.
 
 Default geometry: R = 8, W = 6, BS = 4, D = 999; the fused draft example uses BS = 8.

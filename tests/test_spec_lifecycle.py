@@ -1,4 +1,4 @@
-"""SPEC §1 (construction and lifecycle) and §2 (forward mode), worked by hand.
+"""contract §1 (construction and lifecycle) and §2 (forward mode), worked by hand.
 
 Geometry (tests.helpers.config): R = 8, W = 6, BS = 4, D = 999, H = 8.
 """

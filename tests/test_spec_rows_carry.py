@@ -1,4 +1,4 @@
-"""SPEC §3 (request-row annotations) and §4 (chunked-prefill boundary carry), by hand.
+"""contract §3 (request-row annotations) and §4 (chunked-prefill boundary carry), by hand.
 
 Geometry: R = 8, H = 8, W = 20. Rows start as ``[10, 11, ..., 17]`` so every row is
 distinct (W is wide enough for them to be valid inherited-block counts).

@@ -1,4 +1,4 @@
-"""SPEC §7: ``write_token_maps`` and ``write_mha_metadata``, with hand-worked values.
+"""contract §7: ``write_token_maps`` and ``write_mha_metadata``, with hand-worked values.
 
 Geometry: W = 6, BS = 4, D = 999. Every view starts filled with the sentinel 777, so a
 field that must be "left as it was" or "not written" is checked against 777.

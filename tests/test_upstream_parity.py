@@ -1,4 +1,4 @@
-"""Upstream parity (SPEC §10) and the full-batch pad hazard (SPEC §6), on both paths.
+"""Upstream parity (contract §10) and the full-batch pad hazard (contract §6), on both paths.
 
 Launch bounds of empty and graphed forwards, the active slice of the annotations as
 ``inherited_blocks``, the mirror path's host copy of the draft state, and the block
@@ -170,7 +170,7 @@ def test_mirror_path_eager_depths_ignore_in_place_edits_until_begin_decode():
     assert view.token_to_block_idx[:2].tolist() == [int(TABLE[0, 2]), 42]
     meta.end_forward()
 
-    # A graphed depth stages from the same host copy (SPEC §9), so it ignores the edit
+    # A graphed depth stages from the same host copy (contract §9), so it ignores the edit
     # too: the mirror path behaves one way for every depth.
     meta.begin_decode(2, 2, np.array([5, 11]), TABLE, True)
     meta.active_offsets[0] = 8

@@ -1,4 +1,4 @@
-"""The bench's captured row (SPEC §12): what the host pays for a captured draft loop.
+"""The bench's captured row (contract §12): what the host pays for a captured draft loop.
 
 With ``capture_setup=True`` the per-depth setup lives in the CUDA graph the caller
 captured once per padded size, so the host's whole draft loop is one ``begin_decode``

@@ -1,4 +1,4 @@
-"""The engine's captured draft mode (SPEC §12): the per-depth setup inside a graph.
+"""The engine's captured draft mode (contract §12): the per-depth setup inside a graph.
 
 ``CapturedSetups`` holds, per padded bucket ``p``, the captured route's two per-depth
 calls. ``warm(p)`` runs ``begin_decode_for_capture(p, capture_setup=True)`` once per

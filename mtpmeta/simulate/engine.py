@@ -20,7 +20,7 @@ A step, in order (``Engine.step``):
    writes the last committed position (main hidden + bonus token) and drafts token 1;
    depth ``j`` feeds the MTP hidden and draft ``j`` of depth ``j - 1``. Request slots are
    padded to a bucket; every other step is ``graphed=True``, and every fourth step
-   takes the captured draft loop instead (``capture_setup=True``, SPEC §12: the setup
+   takes the captured draft loop instead (``capture_setup=True``, contract §12: the setup
    of each depth is device ops only, replayed from CUDA graphs on CUDA; see
    ``mtpmeta.simulate.captured``).
 5. **Retire** finished requests and compact the rows (``move_request_rows``,

@@ -15,7 +15,7 @@ as a fused attention kernel would:
 
 ``write_rows`` / ``attend_decode`` are the same two kernels in fixed shapes with no
 read-back and no check (they cannot raise), so they can be captured in a CUDA graph
-with the captured draft loop (SPEC §12): ``attend_decode`` gathers every slot's
+with the captured draft loop (contract §12): ``attend_decode`` gathers every slot's
 ``W * BS`` key positions through its block row (``-1`` clamped into the cache) and
 masks those at or past the slot's KV length.
 

@@ -1,4 +1,4 @@
-"""The captured draft loop (SPEC §12) in a real ``torch.cuda.CUDAGraph``. Skipped
+"""The captured draft loop (contract §12) in a real ``torch.cuda.CUDAGraph``. Skipped
 without CUDA.
 
 Failure story: a setup op that reads the host, a pinned slot or a host scalar gets
