@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 import mtpmeta.captured as captured_module
 from mtpmeta import VIEW_FIELDS, ContextGPUView, MTPMetadata
 from mtpmeta.captured import ADVANCE_OPS, DEPTH_OPS, CapturedRoute
-from mtpmeta import GraphCaptureError, StaleOffsetsError
+from mtpmeta import ForwardModeError, GraphCaptureError, MTPForwardMode, StaleOffsetsError
 from mtpmeta.simulate.config import SimConfig
 from mtpmeta.simulate.paged import PagedKVCache
 from tests.cuda_sim import CudaSim, SimGraph
@@ -348,7 +348,8 @@ def test_captured_position_past_the_table_goes_to_dummy(path):
 def test_default_route_call_after_a_captured_depth_raises_until_begin_decode(path):
     """After a captured depth the host copy of the offsets is stale: once the captured
     loop ends, advance_decode_step and stage_decode_lengths (default route) raise
-    StaleOffsetsError and change nothing; a new begin_decode clears it."""
+    (ForwardModeError outside DRAFT, StaleOffsetsError when DRAFT is re-entered by hand)
+    and change nothing; a new begin_decode clears it."""
     meta = new_meta(path)
     view = ContextGPUView(R, VIEW_TOKENS, W, "cpu")
     starts = torch.arange(R, dtype=torch.int32)
@@ -357,6 +358,12 @@ def test_default_route_call_after_a_captured_depth_raises_until_begin_decode(pat
     meta.setup_decode_step(view)
     meta.advance_decode_step()
     meta.end_forward()
+    before = buffer_state(meta)
+    for method in (meta.advance_decode_step, meta.stage_decode_lengths):
+        with pytest.raises(ForwardModeError, match="begin_decode"):  # outside DRAFT
+            method()
+    assert_same_state(before, buffer_state(meta))
+    meta.forward_mode = MTPForwardMode.DRAFT  # upstream style: back into DRAFT by hand
     before = buffer_state(meta)
     for method in (meta.advance_decode_step, meta.stage_decode_lengths):
         with pytest.raises(StaleOffsetsError, match="begin_decode"):
