@@ -78,10 +78,14 @@ class MirrorBackend:
         self.device = buffers.offsets.device
         width = buffers.block_table.shape[1]
         table_dtype = buffers.block_table.dtype
-        # Host truth of the draft state: [R] int32 and [R, W] of block_table_dtype.
+        # Host truth of the draft state: [R] int32 and [R, W] of block_table_dtype. The
+        # table is the pinned begin slot begin_decode staged it in (rows [:n] valid): a
+        # slot is only rewritten by a later begin_decode, which re-points this first, so
+        # the table is copied on the host once per draft loop, not twice.
         self.host_offsets = np.zeros(max_requests, dtype=np.int32)
-        self.host_block_table = np.full((max_requests, width), dummy,
+        self._own_block_table = np.full((max_requests, width), dummy,
                                         dtype=numpy_dtype(table_dtype))
+        self.host_block_table = self._own_block_table
         self.host_offsets_known = True
         # Host scratch the fused kernels write lengths into: [R + 1] int32 each.
         self._scratch_q = np.zeros(max_requests + 1, dtype=np.int32)
@@ -257,10 +261,9 @@ class MirrorBackend:
         """Stage the draft loop; False (nothing written) when a start position is
         negative or past the block table."""
         self.refuse_capture("begin_decode")
-        if not native.staging.copy_decode_inputs(start_positions, table_src, count,
-                                                 self.block_size, self.host_offsets,
-                                                 self.host_block_table):
-            return False
+        if not native.staging.offsets_in_table(start_positions, count, self.block_size,
+                                               self.host_block_table.shape[1]):
+            return False  # checked before a slot is taken: nothing written
         self.host_offsets_known = True
         if count == 0:
             return True
@@ -269,6 +272,8 @@ class MirrorBackend:
         offsets_np, table_np = self._begin_arrays[slot]
         native.staging.copy_decode_inputs(start_positions, table_src, count,
                                           self.block_size, offsets_np, table_np)
+        self.host_offsets[:count] = offsets_np[:count]
+        self.host_block_table = table_np  # the host truth is the staged slot itself
         offsets_t, table_t = self._begin_tensors[slot]
         buffers = self.buffers
         self._prefix("offsets", buffers.offsets, 0, count).copy_(
@@ -286,6 +291,7 @@ class MirrorBackend:
 
     def begin_decode_for_capture(self, count: int) -> None:
         self.refuse_capture("begin_decode_for_capture")
+        self.host_block_table = self._own_block_table  # never a slot a copy may read
         native.staging.fill_capture_state(self.host_offsets, self.host_block_table, count,
                                           self.dummy)
         self.host_offsets_known = True

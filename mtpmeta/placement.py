@@ -32,15 +32,16 @@ CopyPair = Tuple[Tensor, Tensor]  # (destination, source)
 
 def word_view(tensor: Tensor) -> Tensor:
     """``tensor`` read as int32 words when it is a contiguous 4- or 8-byte integer
-    tensor (an ``[n]`` int64 becomes ``[2n]`` int32, an ``[n, W]`` one ``[n, 2W]``);
-    else ``tensor`` itself.
+    tensor with a unit last stride (an ``[n]`` int64 becomes ``[2n]`` int32, an
+    ``[n, W]`` one ``[n, 2W]``); else ``tensor`` itself.
 
     >>> word_view(torch.tensor([1, -1])).tolist()
     [1, 0, -1, -1]
     """
     dtype = tensor.dtype
     if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool or \
-            dtype.itemsize not in (4, 8) or tensor.dim() == 0 or not tensor.is_contiguous():
+            dtype.itemsize not in (4, 8) or tensor.dim() == 0 or \
+            not tensor.is_contiguous() or tensor.stride(-1) != 1:  # size-1: any stride
         return tensor
     return tensor if dtype == torch.int32 else tensor.view(torch.int32)
 
