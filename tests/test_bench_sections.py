@@ -81,3 +81,34 @@ def test_production_positions_spread_like_context_lengths():
     assert np.array_equal(step.commit_starts.numpy()[:48],
                           np.maximum(starts - counts, 0))
     assert step.start_positions.dtype == torch.int32
+
+
+def test_width_sweep_reports_the_mirror_bytes_flat_over_widths():
+    """The sweep's byte column: the mirror path's per-depth H2D payload is the same at
+    every width (no table through the host per depth); the direct path's instructions
+    or µs are reported for every width. Wall clock here (no callgrind in the test)."""
+    from mtpmeta.bench.sweep_width import format_width_sweep, width_sweep
+
+    result = width_sweep((16, 128), active=8, repeats=1, instructions=False)
+    assert result["h2d_bytes_per_depth"][16] == result["h2d_bytes_per_depth"][128] > 0
+    assert set(result["per_depth"]) == {"mirror", "direct", "reference"}
+    assert all(set(row) == {16, 128} for row in result["per_depth"].values())
+    assert "W 128 / W 16" in format_width_sweep(result)
+
+
+def test_production_section_counts_bytes_and_ops_of_every_row():
+    """At a small size: the mirror path moves the draft table once (begin_decode) and
+    the commit's rows once, so its bytes per step are upstream's flow within the O(n)
+    staged metadata; its data ops per step are the 14 of the op budget."""
+    from mtpmeta.bench.production import format_production, measure_production
+
+    config = StepConfig(max_requests=24, block_columns=256, block_size=16, active=16,
+                        prefill_tokens=16, inherited_blocks=1, moves=2, swaps=1,
+                        resets=2)
+    result = measure_production(config, steps=1, repeats=1)
+    h2d = result["h2d_bytes_per_step"]
+    tables = 16 * 256 * 4 + 17 * 256 * 4
+    assert tables < h2d["mirror"] < tables + 64 * 1024
+    assert result["ops_per_step"]["mirror (CPU-forced)"] == {"data_ops": 14, "syncs": 0}
+    assert result["ops_per_step"]["reference"]["syncs"] == 5
+    assert "host-to-device bytes per step" in format_production(result)
