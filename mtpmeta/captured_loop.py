@@ -40,6 +40,9 @@ class CapturedLoop:
             route.begin_direct(count)
         else:
             backend.refuse_capture("begin_decode")
+            # The host truth may be a pinned begin slot whose copy is still in flight:
+            # write the backend's own table instead (as begin_decode_for_capture does).
+            backend.host_block_table = backend._own_block_table
             if not native.staging.copy_decode_inputs(starts, table, count,
                                                      self.block_size_tokens,
                                                      backend.host_offsets,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any, Sequence, Tuple
 
@@ -72,14 +73,14 @@ class PackedLayout:
             widest = max(widest, step)
             offset = round_up(offset, step)
             offsets.append(offset)
-            offset += int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            offset += math.prod(shape) * dtype.itemsize  # math.prod: np.prod costs ~20x
         return cls(tuple(e[0] for e in entries), tuple(e[1] for e in entries),
                    tuple(tuple(e[2]) for e in entries), tuple(offsets),
                    round_up(offset, widest))
 
     def _spans(self):
         for dtype, shape, offset in zip(self.dtypes, self.shapes, self.offsets):
-            yield dtype, shape, offset, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            yield dtype, shape, offset, math.prod(shape) * dtype.itemsize
 
     def tensors(self, raw: torch.Tensor) -> Any:
         """Typed views of every field inside the ``uint8`` tensor ``raw``, by name."""

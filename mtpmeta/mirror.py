@@ -31,16 +31,21 @@ that allocated them on another stream may free them at once.
 
 Inputs that are already device tensors take ``DeviceRoute`` (``mirror_device.py``).
 
-Cost note: a staged forward costs 1 H2D copy plus at most 7 device copies into the view
-(fields evenly spaced in the view go as one strided copy: with no pad tokens the four
-int32 token maps are one copy), 7-9 torch ops in all. The H2D copy is one contiguous
-byte range: copying strided pinned memory straight into the view would make PyTorch
-stage each non-contiguous H2D copy through a temporary (an allocation and a kernel);
-``staging_slots`` (default 8) bounds how many staged calls per ring the host can run
-ahead of the device before ``acquire`` waits on a fence. A standard step stages K draft
-depths and 1 commit pass through the forward ring, so 8 slots let the host issue a
-whole step with K up to 7 without waiting on its own work (``fence_stalls`` counts the
-waits that blocked).
+Cost note: a staged forward costs 1 H2D copy of its shadow plus one ``CopyPlan``
+(``placement.py``): one ``_foreach_copy_`` for all its fields, 4- and 8-byte fields
+alike read as int32 words, and one more ``copy_`` only where a dtype converts (an
+int64 persistent table into an int32 view). A draft depth's shadow holds O(padded)
+data (token maps, lengths, sums) and never a table: ``mha_block_table[:n]`` comes from
+the persistent device ``block_table`` that ``begin_decode`` filled once per draft loop,
+and its pad rows from a persistent device block of -1, both device-to-device in the
+same ``_foreach_copy_``. So a depth's host work and H2D bytes do not grow with ``W``.
+The H2D copy is one contiguous byte range: copying strided pinned memory straight into
+the view would make PyTorch stage each non-contiguous H2D copy through a temporary (an
+allocation and a kernel); ``staging_slots`` (default 8) bounds how many staged calls
+per ring the host can run ahead of the device before ``acquire`` waits on a fence. A
+standard step stages K draft depths and 1 commit pass through the forward ring, so 8
+slots let the host issue a whole step with K up to 7 without waiting on its own work
+(``fence_stalls`` counts the waits that blocked).
 
 Growth: a forward larger than the forward staging re-sizes it to at least twice its
 size (geometric, so ever-growing forwards re-size O(log n) times), and the copy plans
@@ -63,9 +68,10 @@ from .gpu_view import ViewFields, ViewTarget, kernel_args, view_entries
 from .inputs import kernel_optional
 from .layout import PackedLayout, numpy_dtype
 from .mirror_device import DeviceRoute
+from .placement import CopyPlan
 from .runtime import DeviceRuntime, StreamOrder, get_runtime
 from .cache import BoundedCache
-from .staging import StagingRing, grouped
+from .staging import StagingRing
 
 __all__ = ["MirrorBackend"]
 
@@ -73,24 +79,8 @@ __all__ = ["MirrorBackend"]
 _WIDEST = ViewFields(**{name: torch.int64 for name in ViewFields._fields})
 _ALIGN = 8
 CopyPair = Tuple[Tensor, Tensor]  # (destination, source)
-# The int32 token maps, in one fixed order for grouped copies (a calling convention).
-_INT32_TOKEN_MAPS = ("token_to_block_idx", "token_to_local_position_within_kv_block",
-                     "token_to_request_idx", "token_to_position_in_request")
 # Plan kinds built on one forward ring (their keys carry its generation at index 1).
-_RING_PLANS = frozenset({"args", "h2d", "staged", "tokens", "requests", "pair", "query"})
-
-
-def _pair_copies(dst_a: Tensor, dst_b: Tensor, src_a: Tensor, src_b: Tensor,
-                 length: int) -> List[CopyPair]:
-    """Copies of ``src_*[:length]`` into ``dst_*[:length]``: one strided copy when both
-    sides pair up, else two."""
-    if length == 0:
-        return []
-    dst = grouped((dst_a, dst_b), length)
-    src = grouped((src_a, src_b), length)
-    if dst is not None and src is not None:
-        return [(dst, src)]
-    return [(dst_a[:length], src_a[:length]), (dst_b[:length], src_b[:length])]
+_RING_PLANS = frozenset({"args", "h2d", "place"})
 
 
 class MirrorBackend:
@@ -109,10 +99,14 @@ class MirrorBackend:
         self.device = buffers.offsets.device
         width = buffers.block_table.shape[1]
         table_dtype = buffers.block_table.dtype
-        # Host truth of the draft state: [R] int32 and [R, W] of block_table_dtype.
+        # Host truth of the draft state: [R] int32 and [R, W] of block_table_dtype. The
+        # table is the pinned begin slot begin_decode staged it in (rows [:n] valid): a
+        # slot is only rewritten by a later begin_decode, which re-points this first, so
+        # the table is copied on the host once per draft loop, not twice.
         self.host_offsets = np.zeros(max_requests, dtype=np.int32)
-        self.host_block_table = np.full((max_requests, width), dummy,
+        self._own_block_table = np.full((max_requests, width), dummy,
                                         dtype=numpy_dtype(table_dtype))
+        self.host_block_table = self._own_block_table
         self.host_offsets_known = True
         # Host scratch the fused kernels write lengths into: [R + 1] int32 each.
         self._scratch_q = np.zeros(max_requests + 1, dtype=np.int32)
@@ -146,6 +140,10 @@ class MirrorBackend:
         self._retired_stalls = 0  # fence_stalls of replaced forward rings
         self._forward_ring = StagingRing(capacity.nbytes, num_slots, self.device, runtime,
                                          device_twin=True)
+        # [R * W] int32 of -1 on the device: the source of a draft depth's pad rows
+        # of mha_block_table, so they are placed device-to-device with the rest.
+        self._minus_one = torch.full((max_requests * width,), -1, dtype=torch.int32,
+                                     device=self.device)
         self._planned: "weakref.WeakSet[ViewTarget]" = weakref.WeakSet()  # ring plans
         self.device_route = DeviceRoute(buffers, block_size=block_size, dummy=dummy,
                                         runtime=runtime)
@@ -201,21 +199,27 @@ class MirrorBackend:
     def _prefix(self, name, tensor: Tensor, start: int, stop: int) -> Tensor:
         return self._slices.get_or_build((name, start, stop), lambda: tensor[start:stop])
 
-    def _shadow(self, target: ViewTarget, tokens: int, requests: Optional[int]):
+    def _shadow(self, target: ViewTarget, tokens: int, requests: Optional[int],
+                width: Optional[int] = None):
         """Acquire a forward slot; return ``(slot, layout, token_args, request_args)``,
-        the last two the slot's numpy fields in the kernels' argument order."""
+        the last two the slot's numpy fields in the kernels' argument order.
+
+        ``width`` is the shadow's block-table width (default the view's); a draft depth
+        passes 0, so its shadow holds O(padded) data and no table at all.
+        """
+        width = target.width if width is None else width
         plans = target.plans
-        key = ("layout", tokens, requests)
+        key = ("layout", tokens, requests, width)
         layout = plans.get(key)
         if layout is None:
             dtypes = ViewFields(*(tensor.dtype for tensor in target.fields))
-            layout = PackedLayout.build(view_entries(requests, tokens, target.width, dtypes),
+            layout = PackedLayout.build(view_entries(requests, tokens, width, dtypes),
                                         align=_ALIGN)
             plans.put(key, layout)
         if layout.nbytes > self._forward_ring.slot_bytes:
             self._grow(layout.nbytes)
         slot = self._forward_ring.acquire()
-        args_key = ("args", self._generation, slot, tokens, requests)
+        args_key = ("args", self._generation, slot, layout)
         args = plans.get(args_key)
         if args is None:
             args = kernel_args(layout.arrays(self._forward_ring.host_np[slot]))
@@ -225,15 +229,18 @@ class MirrorBackend:
 
     def _flush(self, target: ViewTarget, slot: int, layout: PackedLayout, tokens: int,
                real_tokens: int, requests: Optional[int], to_lengths: str,
-               lengths_count: int) -> None:
-        """Copy the slot's shadow into its device stage, scatter it into the view, then
+               lengths_count: int, draft_rows: int = -1) -> None:
+        """Copy the slot's shadow into its device stage (one H2D copy), place it into
+        the view with one ``CopyPlan`` (one ``_foreach_copy_`` per dtype group), then
         record the slot's fence (after the last op that reads the slot or its stage).
 
         ``tokens``/``requests`` are the padded extents the shadow holds, ``real_tokens``
         the tokens whose request/position fields are written. ``to_lengths`` names what
         also lands in the persistent length buffers: ``"pair"`` (query and KV,
-        ``lengths_count`` long), ``"query"`` (query only) or ``""``. The copy plan is
-        cached on the view in parts keyed by the one size each depends on.
+        ``lengths_count`` long), ``"query"`` (query only) or ``""``. ``draft_rows >= 0``
+        marks a draft depth: its shadow holds no table, and ``mha_block_table`` takes
+        ``block_table[:draft_rows]`` from the persistent device table and -1 rows up to
+        ``requests``, both device-to-device. The plan is cached on the view.
         """
         plans = target.plans
         ring = self._forward_ring
@@ -242,66 +249,56 @@ class MirrorBackend:
         dst, src = plans.get_or_build(("h2d", generation, slot, nbytes), lambda: (
             ring.device_slots[slot][:nbytes], ring.slots[slot][:nbytes]))
         dst.copy_(src, non_blocking=True)
-        staged = plans.get_or_build(("staged", generation, slot, layout),
-                         lambda: layout.tensors(ring.device_slots[slot]))
-        view = target.fields
-        buffers = self.buffers
-
-        def token_copies():
-            # Block and local offset over the padded rows; request, position and pos id
-            # over the real ones only (pad rows keep theirs). With no pad rows the four
-            # int32 maps sit evenly spaced in view and shadow: one copy for all four.
-            if real_tokens == tokens and tokens:
-                dst = grouped([getattr(view, name) for name in _INT32_TOKEN_MAPS], tokens)
-                src = grouped([getattr(staged, name) for name in _INT32_TOKEN_MAPS], tokens)
-                if dst is not None and src is not None:
-                    return [(dst, src), (view.token_to_pos_ids[:tokens],
-                                         staged.token_to_pos_ids[:tokens])]
-            copies = (_pair_copies(view.token_to_block_idx,
-                                   view.token_to_local_position_within_kv_block,
-                                   staged.token_to_block_idx,
-                                   staged.token_to_local_position_within_kv_block, tokens)
-                      + _pair_copies(view.token_to_request_idx,
-                                     view.token_to_position_in_request,
-                                     staged.token_to_request_idx,
-                                     staged.token_to_position_in_request, real_tokens))
-            if real_tokens:
-                copies.append((view.token_to_pos_ids[:real_tokens],
-                               staged.token_to_pos_ids[:real_tokens]))
-            return copies
-
-        def request_copies():  # MHA lengths, cumulative sums and block table
-            if requests is None:
-                return []
-            return (_pair_copies(view.mha_query_lengths, view.mha_kv_seq_lengths,
-                                 staged.mha_query_lengths, staged.mha_kv_seq_lengths,
-                                 requests)
-                    + _pair_copies(view.mha_cu_query_seq_lengths,
-                                   view.mha_cu_kv_seq_lengths,
-                                   staged.mha_cu_query_seq_lengths,
-                                   staged.mha_cu_kv_seq_lengths, requests + 1)
-                    + [(view.mha_block_table[:requests], staged.mha_block_table)])
-
-        parts = [
-            plans.get_or_build(("tokens", generation, slot, layout, tokens, real_tokens),
-                    token_copies),
-            plans.get_or_build(("requests", generation, slot, layout, requests), request_copies),
-        ]
-        if to_lengths == "pair":
-            parts.append(plans.get_or_build(
-                ("pair", generation, slot, layout, lengths_count),
-                lambda: _pair_copies(buffers.query_lengths, buffers.kv_lengths,
-                                     staged.mha_query_lengths, staged.mha_kv_seq_lengths,
-                                     lengths_count)))
-        elif to_lengths == "query" and lengths_count:
-            parts.append(plans.get_or_build(
-                ("query", generation, slot, layout, lengths_count),
-                lambda: [(buffers.query_lengths[:lengths_count],
-                          staged.mha_query_lengths[:lengths_count])]))
-        for part in parts:
-            for dst, src in part:
-                dst.copy_(src, non_blocking=True)
+        key = ("place", generation, slot, layout, tokens, real_tokens, requests, to_lengths,
+               lengths_count, draft_rows)
+        plan = plans.get(key)
+        if plan is None:
+            staged = layout.tensors(ring.device_slots[slot])
+            plan = CopyPlan(self._placement(target.fields, staged, tokens, real_tokens,
+                                            requests, to_lengths, lengths_count,
+                                            draft_rows))
+            plans.put(key, plan)
+        plan.run()
         ring.release(slot)
+
+    def _placement(self, view, staged, tokens: int, real_tokens: int,
+                   requests: Optional[int], to_lengths: str, lengths_count: int,
+                   draft_rows: int) -> List[CopyPair]:
+        """The copies of ``_flush`` as ``(destination, source)`` pairs."""
+        # Block and local offset over the padded rows; request, position and pos id
+        # over the real ones only (pad rows keep theirs).
+        pairs = [(getattr(view, name)[:tokens], getattr(staged, name)[:tokens])
+                 for name in ("token_to_block_idx",
+                              "token_to_local_position_within_kv_block")]
+        pairs += [(getattr(view, name)[:real_tokens], getattr(staged, name)[:real_tokens])
+                  for name in ("token_to_request_idx", "token_to_position_in_request",
+                               "token_to_pos_ids")]
+        buffers = self.buffers
+        if requests is not None:
+            pairs += [(view.mha_query_lengths[:requests], staged.mha_query_lengths),
+                      (view.mha_kv_seq_lengths[:requests], staged.mha_kv_seq_lengths),
+                      (view.mha_cu_query_seq_lengths[:requests + 1],
+                       staged.mha_cu_query_seq_lengths),
+                      (view.mha_cu_kv_seq_lengths[:requests + 1],
+                       staged.mha_cu_kv_seq_lengths)]
+            if draft_rows < 0:
+                pairs.append((view.mha_block_table[:requests], staged.mha_block_table))
+            else:
+                table = view.mha_block_table
+                pairs.append((table[:draft_rows], buffers.block_table[:draft_rows]))
+                pad_rows = requests - draft_rows
+                pairs.append((table[draft_rows:requests],
+                              self._minus_one[:pad_rows * table.shape[1]]
+                              .view(pad_rows, table.shape[1])))
+        if to_lengths == "pair":
+            pairs += [(buffers.query_lengths[:lengths_count],
+                       staged.mha_query_lengths[:lengths_count]),
+                      (buffers.kv_lengths[:lengths_count],
+                       staged.mha_kv_seq_lengths[:lengths_count])]
+        elif to_lengths == "query":
+            pairs.append((buffers.query_lengths[:lengths_count],
+                          staged.mha_query_lengths[:lengths_count]))
+        return pairs
 
     # ---------------------------------------------------------------- draft loop
     def begin_decode(self, count: int, start_positions: np.ndarray,
@@ -309,10 +306,9 @@ class MirrorBackend:
         """Stage the draft loop; False (nothing written) when a start position is
         negative or past the block table."""
         self.refuse_capture("begin_decode")
-        if not native.staging.copy_decode_inputs(start_positions, table_src, count,
-                                                 self.block_size, self.host_offsets,
-                                                 self.host_block_table):
-            return False
+        if not native.staging.offsets_in_table(start_positions, count, self.block_size,
+                                               self.host_block_table.shape[1]):
+            return False  # checked before a slot is taken: nothing written
         self.host_offsets_known = True
         if count == 0:
             return True
@@ -321,6 +317,8 @@ class MirrorBackend:
         offsets_np, table_np = self._begin_arrays[slot]
         native.staging.copy_decode_inputs(start_positions, table_src, count,
                                           self.block_size, offsets_np, table_np)
+        self.host_offsets[:count] = offsets_np[:count]
+        self.host_block_table = table_np  # the host truth is the staged slot itself
         offsets_t, table_t = self._begin_tensors[slot]
         buffers = self.buffers
         self._prefix("offsets", buffers.offsets, 0, count).copy_(
@@ -338,6 +336,7 @@ class MirrorBackend:
 
     def begin_decode_for_capture(self, count: int) -> None:
         self.refuse_capture("begin_decode_for_capture")
+        self.host_block_table = self._own_block_table  # never a slot a copy may read
         native.staging.fill_capture_state(self.host_offsets, self.host_block_table, count,
                                           self.dummy)
         self.host_offsets_known = True
@@ -368,12 +367,14 @@ class MirrorBackend:
         if not native.staging.offsets_in_table(self.host_offsets, count, self.block_size,
                                                self.host_block_table.shape[1]):
             return -1  # checked before a slot is taken: nothing written, nothing staged
-        slot, layout, token_args, request_args = self._shadow(target, padded, padded)
-        max_kv = native.staging.decode_step(self.host_offsets, self.host_block_table, count,
-                                            padded, self.block_size, self.dummy,
-                                            self._scratch_q, self._scratch_kv, *token_args,
-                                            *request_args)
-        self._flush(target, slot, layout, padded, count, padded, "pair", count)
+        # The shadow holds O(padded) data and no table: mha_block_table comes from the
+        # persistent device table that begin_decode filled, device-to-device.
+        slot, layout, token_args, request_args = self._shadow(target, padded, padded, 0)
+        max_kv = native.staging.decode_step_maps(
+            self.host_offsets, self.host_block_table, count, padded, self.block_size,
+            self.dummy, self._scratch_q, self._scratch_kv, *token_args, *request_args[:4])
+        self._flush(target, slot, layout, padded, count, padded, "pair", count,
+                    draft_rows=count)
         return max_kv
 
     # --------------------------------------------------------------- commit pass
@@ -464,6 +465,13 @@ class MirrorBackend:
         ring = self._carry_ring
         slot = ring.acquire()
         staged = self._carry_slots[slot]
-        staged.copy_(source)
+        if source.is_contiguous() and source.dtype == staged.dtype and \
+                source.numel() == staged.numel():
+            # A numpy byte copy into the pinned slot: no torch op, so the carry costs
+            # one data op (the H2D copy). Views only: view(-1), view(uint8), detach.
+            ring.host_np[slot][:staged.numel() * staged.element_size()] = \
+                source.view(-1).view(torch.uint8).numpy()
+        else:
+            staged.copy_(source)  # broadcast or strided: torch does the gather
         target.copy_(staged, non_blocking=True)
         ring.release(slot)

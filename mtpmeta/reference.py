@@ -1,9 +1,13 @@
 """Pure-torch reference implementation of the ``MTPMetadata`` contract.
 
 This module is the **oracle and performance baseline** for ``mtpmeta``. It does every
-step the way the upstream class does: one small torch op per field, host ints read back
-with ``.item()`` where upstream reads them (so it syncs with the device where upstream
-does). It shares no code with the fast (numba) path on purpose, so a bug in one cannot
+step the way the upstream class does, op for op where upstream's class defines the step
+(row ops, lengths staging, ``write_token_maps`` and ``write_mha_metadata``, pad writes
+guarded by ``if padded > n`` as upstream guards them): one small torch op per field,
+host ints read back with ``.item()`` where upstream reads them (so it syncs with the
+device where upstream does). Its torch-op counts per method on the standard step are
+asserted against upstream's measured ones (``tests/test_op_budget.py``), so "x times
+the reference" in the bench means "x times upstream". It shares no code with the fast (numba) path on purpose, so a bug in one cannot
 hide in the other. Readability beats speed here; the only validation is what the
 contract's semantics need (docs/contract.md §8's input checks are the fast path's job).
 
@@ -58,6 +62,13 @@ def _host_index(idx: Index) -> Index:
         return idx
     t = torch.as_tensor(idx).cpu()
     return t if t.dtype == torch.bool else t.long()
+
+
+def _snapshot(x: torch.Tensor, idx: Index) -> torch.Tensor:
+    """``x[idx]`` as values read now: advanced indexing (upstream's tensor indices)
+    already copies; a slice or an int gives a view, which is cloned."""
+    values = x[idx]
+    return values.clone() if isinstance(idx, (slice, int)) else values
 
 
 def _on(x: Any, device: torch.device) -> torch.Tensor:
@@ -164,25 +175,24 @@ class ReferenceMTPMetadata:
         self.request_matched_prefix_blocks[_host_index(request_indexes)] = 0
 
     def move_request_rows(self, src_idxs: Index, dst_idxs: Index) -> None:
-        """``x[dst] = x[src]``, every source read before any destination is written."""
+        """``x[dst] = x[src]``, every source read before any destination is written
+        (advanced indexing reads ``x[src]`` into a new tensor first)."""
         if not self.enabled:
             return
         self._require_buffers("move_request_rows")
         x = self.request_matched_prefix_blocks
-        values = x[_host_index(src_idxs)].clone()
-        x[_host_index(dst_idxs)] = values
+        src = _host_index(src_idxs)
+        x[_host_index(dst_idxs)] = _snapshot(x, src)
 
     def swap_request_rows(self, src_idxs: Index, dst_idxs: Index) -> None:
-        """Read both sides; ``x[dst] = old x[src]``, then ``x[src] = old x[dst]``."""
+        """Read both sides; ``x[dst] = old x[src]``, then ``x[src] = old x[dst]`` (one
+        tuple assignment: both right-hand sides are read before either write)."""
         if not self.enabled:
             return
         self._require_buffers("swap_request_rows")
         x = self.request_matched_prefix_blocks
         src, dst = _host_index(src_idxs), _host_index(dst_idxs)
-        old_src = x[src].clone()
-        old_dst = x[dst].clone()
-        x[dst] = old_src
-        x[src] = old_dst
+        x[dst], x[src] = _snapshot(x, src), _snapshot(x, dst)
 
     # ---------------------------------------------------------------- chunk carry
     def invalidate_chunk_boundary(self) -> None:
@@ -289,9 +299,9 @@ class ReferenceMTPMetadata:
         lengths = self.query_lengths[: P + 1 if use_spare else P]
         lengths[:P].copy_(counts.reshape(-1))
         if use_spare:
-            lengths[P] = pad_tokens
+            lengths[P : P + 1].fill_(pad_tokens)
         elif pad_tokens > 0 and P > 0:  # P == R: the last real request absorbs the pad
-            lengths[P - 1] += pad_tokens
+            lengths[P - 1 : P] += pad_tokens
         return lengths
 
     # --------------------------------------------------------- destination writers
@@ -312,24 +322,25 @@ class ReferenceMTPMetadata:
         block_table = _on(block_table, device)  # [R, W]
         T = positions.numel()
 
-        cols = (positions // self.block_size_tokens).long()  # [T]
+        cols = (positions // self.block_size_tokens).to(torch.long)  # [T]
         dest = block_table[rows, cols]  # [T]
         if inherited_blocks is not None:
             inherited = _on(inherited_blocks, device)[rows]  # [T]
-            dest = torch.where(cols < inherited, self.dummy_block_idx, dest)
-        local = positions % self.block_size_tokens
+            dest = torch.where(cols < inherited, torch.full_like(dest, self.dummy_block_idx),
+                               dest)
 
         v = gpu_view
         v.token_to_block_idx[:T] = dest.to(v.token_to_block_idx.dtype)
-        v.token_to_local_position_within_kv_block[:T] = local.to(
-            v.token_to_local_position_within_kv_block.dtype
-        )
+        v.token_to_local_position_within_kv_block[:T] = (
+            positions % self.block_size_tokens
+        ).to(v.token_to_local_position_within_kv_block.dtype)
         v.token_to_request_idx[:T] = rows.to(v.token_to_request_idx.dtype)
         v.token_to_position_in_request[:T] = positions.to(v.token_to_position_in_request.dtype)
         v.token_to_pos_ids[:T] = positions.to(v.token_to_pos_ids.dtype)
 
-        v.token_to_block_idx[T:padded_token_count] = self.dummy_block_idx
-        v.token_to_local_position_within_kv_block[T:padded_token_count] = 0
+        if padded_token_count > T:
+            v.token_to_block_idx[T:padded_token_count] = self.dummy_block_idx
+            v.token_to_local_position_within_kv_block[T:padded_token_count] = 0
 
     def write_mha_metadata(
         self,
@@ -343,8 +354,10 @@ class ReferenceMTPMetadata:
         request slots; slots ``n <= i < padded_request_count`` get zero lengths, flat cu
         entries and a ``-1`` block-table row."""
         device = gpu_view.mha_query_lengths.device
-        q = _on(query_lengths, device).reshape(-1)  # [n]
-        kv = _on(kv_lengths, device).reshape(-1)  # [n]
+        q = _on(query_lengths, device)  # [n]
+        kv = _on(kv_lengths, device)  # [n]
+        q = q if q.dim() == 1 else q.reshape(-1)
+        kv = kv if kv.dim() == 1 else kv.reshape(-1)
         block_table = _on(block_table, device)  # [B, W]
         n = q.numel()
         B = block_table.shape[0]
@@ -356,20 +369,25 @@ class ReferenceMTPMetadata:
         p = padded_request_count
         v = gpu_view
 
-        v.mha_query_lengths[:n] = q.to(torch.int32)
-        v.mha_kv_seq_lengths[:n] = kv.to(torch.int32)
+        # Upstream's order: query lengths and their sums, then KV, then the table.
+        v.mha_query_lengths[:n] = q.to(v.mha_query_lengths.dtype)
         v.mha_cu_query_seq_lengths[0] = 0
-        v.mha_cu_query_seq_lengths[1 : n + 1] = torch.cumsum(q, 0).to(torch.int32)
+        v.mha_cu_query_seq_lengths[1 : n + 1] = torch.cumsum(q, 0).to(
+            v.mha_cu_query_seq_lengths.dtype)
+        v.mha_kv_seq_lengths[:n] = kv.to(v.mha_kv_seq_lengths.dtype)
         v.mha_cu_kv_seq_lengths[0] = 0
-        v.mha_cu_kv_seq_lengths[1 : n + 1] = torch.cumsum(kv, 0).to(torch.int32)
-        v.mha_block_table[:B] = block_table.to(v.mha_block_table.dtype)
-        v.mha_block_table[B:n] = self.dummy_block_idx
+        v.mha_cu_kv_seq_lengths[1 : n + 1] = torch.cumsum(kv, 0).to(
+            v.mha_cu_kv_seq_lengths.dtype)
+        v.mha_block_table[:B] = block_table
+        if n > B:
+            v.mha_block_table[B:n] = self.dummy_block_idx
 
-        v.mha_query_lengths[n:p] = 0
-        v.mha_kv_seq_lengths[n:p] = 0
-        v.mha_cu_query_seq_lengths[n + 1 : p + 1] = v.mha_cu_query_seq_lengths[n].clone()
-        v.mha_cu_kv_seq_lengths[n + 1 : p + 1] = v.mha_cu_kv_seq_lengths[n].clone()
-        v.mha_block_table[n:p] = -1
+        if p > n:
+            v.mha_query_lengths[n:p] = 0
+            v.mha_cu_query_seq_lengths[n + 1 : p + 1] = v.mha_cu_query_seq_lengths[n]
+            v.mha_kv_seq_lengths[n:p] = 0
+            v.mha_cu_kv_seq_lengths[n + 1 : p + 1] = v.mha_cu_kv_seq_lengths[n]
+            v.mha_block_table[n:p] = -1
 
     # --------------------------------------------------------- fused step helpers
     def setup_decode_step(self, gpu_view: ReferenceGPUView) -> ForwardShape:

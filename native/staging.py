@@ -297,6 +297,70 @@ def stage_prefill_lengths(counts, pad_tokens, max_requests, lengths):
 
 
 @njit(cache=True)
+def write_mha_lengths(query_lengths, kv_lengths, count, padded, mha_query_lengths,
+                      mha_kv_seq_lengths, mha_cu_query_seq_lengths, mha_cu_kv_seq_lengths):
+    """The length half of ``write_mha_metadata``: lengths and running sums
+    (``cu[0] = 0``) of ``count`` requests; slots ``[count, padded)`` get zero lengths
+    and flat sums. Returns ``(max_query_length, max_kv_length)`` over the real slots.
+    query/kv lengths: int [>= count]; mha lengths: int32 [>= padded]; cu: [>= padded + 1].
+
+    >>> q, kv, cu_q, cu_kv = (np.zeros(n, np.int32) for n in (3, 3, 4, 4))
+    >>> write_mha_lengths(np.array([1, 1]), np.array([6, 12]), 2, 3, q, kv, cu_q, cu_kv)
+    (1, 12)
+    >>> kv.tolist(), cu_kv.tolist()
+    ([6, 12, 0], [0, 6, 18, 18])
+    """
+    mha_cu_query_seq_lengths[0] = 0
+    mha_cu_kv_seq_lengths[0] = 0
+    sum_q = np.int64(0)
+    sum_kv = np.int64(0)
+    max_q = np.int64(0)
+    max_kv = np.int64(0)
+    for i in range(count):
+        q = np.int64(query_lengths[i])
+        kv = np.int64(kv_lengths[i])
+        mha_query_lengths[i] = q
+        mha_kv_seq_lengths[i] = kv
+        sum_q += q
+        sum_kv += kv
+        mha_cu_query_seq_lengths[i + 1] = sum_q
+        mha_cu_kv_seq_lengths[i + 1] = sum_kv
+        if q > max_q:
+            max_q = q
+        if kv > max_kv:
+            max_kv = kv
+    for i in range(count, padded):
+        mha_query_lengths[i] = 0
+        mha_kv_seq_lengths[i] = 0
+        mha_cu_query_seq_lengths[i + 1] = sum_q
+        mha_cu_kv_seq_lengths[i + 1] = sum_kv
+    return max_q, max_kv
+
+
+@njit(cache=True)
+def write_mha_block_table(block_table, num_table_rows, count, padded, dummy,
+                          mha_block_table):
+    """The table half of ``write_mha_metadata``: rows ``< num_table_rows`` copied,
+    ``[num_table_rows, count)`` all ``D`` (the trailing pad request), ``[count, padded)``
+    all -1. block_table: int [>= num_table_rows, W]; mha_block_table: [>= padded, W].
+
+    >>> table = np.zeros((3, 2), np.int32)
+    >>> write_mha_block_table(np.array([[3, 4]]), 1, 2, 3, 99, table); table.tolist()
+    [[3, 4], [99, 99], [-1, -1]]
+    """
+    width = mha_block_table.shape[1]
+    for i in range(num_table_rows):
+        for col in range(width):
+            mha_block_table[i, col] = block_table[i, col]
+    for i in range(num_table_rows, count):
+        for col in range(width):
+            mha_block_table[i, col] = dummy
+    for i in range(count, padded):
+        for col in range(width):
+            mha_block_table[i, col] = -1
+
+
+@njit(cache=True)
 def write_mha_metadata(query_lengths, kv_lengths, count, block_table, num_table_rows,
                        padded, dummy, mha_query_lengths, mha_kv_seq_lengths,
                        mha_cu_query_seq_lengths, mha_cu_kv_seq_lengths, mha_block_table):
@@ -318,52 +382,61 @@ def write_mha_metadata(query_lengths, kv_lengths, count, block_table, num_table_
     >>> cu_q.tolist(), cu_kv.tolist(), table.tolist()
     ([0, 1, 2, 2], [0, 6, 18, 18], [[3, 4], [99, 99], [-1, -1]])
     """
-    width = mha_block_table.shape[1]
-    mha_cu_query_seq_lengths[0] = 0
-    mha_cu_kv_seq_lengths[0] = 0
-    sum_q = np.int64(0)
-    sum_kv = np.int64(0)
-    max_q = np.int64(0)
-    max_kv = np.int64(0)
-    for i in range(count):
-        q = np.int64(query_lengths[i])
-        kv = np.int64(kv_lengths[i])
-        mha_query_lengths[i] = q
-        mha_kv_seq_lengths[i] = kv
-        sum_q += q
-        sum_kv += kv
-        mha_cu_query_seq_lengths[i + 1] = sum_q
-        mha_cu_kv_seq_lengths[i + 1] = sum_kv
-        if q > max_q:
-            max_q = q
-        if kv > max_kv:
-            max_kv = kv
-    for i in range(num_table_rows):
-        for col in range(width):
-            mha_block_table[i, col] = block_table[i, col]
-    for i in range(num_table_rows, count):
-        for col in range(width):
-            mha_block_table[i, col] = dummy
-    for i in range(count, padded):
-        mha_query_lengths[i] = 0
-        mha_kv_seq_lengths[i] = 0
-        mha_cu_query_seq_lengths[i + 1] = sum_q
-        mha_cu_kv_seq_lengths[i + 1] = sum_kv
-        for col in range(width):
-            mha_block_table[i, col] = -1
-    return max_q, max_kv
+    maxima = write_mha_lengths(query_lengths, kv_lengths, count, padded, mha_query_lengths,
+                               mha_kv_seq_lengths, mha_cu_query_seq_lengths,
+                               mha_cu_kv_seq_lengths)
+    write_mha_block_table(block_table, num_table_rows, count, padded, dummy,
+                          mha_block_table)
+    return maxima
 
 
 # ----------------------------------------------------------------------- fused forwards
+@njit(cache=True)
+def decode_step_maps(offsets, block_table, count, padded, block_size, dummy,
+                     query_lengths, kv_lengths, pos_ids, block_idx, local_pos, request_idx,
+                     position_in_request, mha_query_lengths, mha_kv_seq_lengths,
+                     mha_cu_query_seq_lengths, mha_cu_kv_seq_lengths):
+    """One draft depth without its block table: token maps for rows ``0..n-1`` at
+    ``offsets[:n]`` through ``block_table[:n]`` padded to ``padded``, the decode
+    lengths, and the MHA lengths and sums padded to ``padded``. O(padded) work, whatever
+    the table's width: ``block_table`` is read once per token. Returns the largest KV
+    length, or -1 without writing anything when an offset is negative or past the
+    table (``offsets_in_table``).
+
+    offsets: int32 [R]; block_table: [R, W]; query/kv lengths: int32 [R]; the five token
+    outputs as in ``write_token_maps``, the four length outputs as in
+    ``write_mha_lengths``.
+
+    >>> lengths = np.zeros((2, 3), np.int32)  # the persistent query/kv lengths [R]
+    >>> tokens = [np.zeros(4, np.int64)] + [np.zeros(4, np.int32) for _ in range(4)]
+    >>> mha = [np.zeros(n, np.int32) for n in (3, 3, 4, 4)]
+    >>> offsets, table = np.array([5, 11, 0], np.int32), np.array([[3, 4], [5, 6], [0, 0]])
+    >>> decode_step_maps(offsets, table, 2, 3, 8, 99, *lengths, *tokens, *mha)
+    12
+    >>> tokens[1].tolist(), tokens[2].tolist(), mha[3].tolist()  # block, local, cu_kv
+    ([3, 6, 99, 0], [5, 3, 0, 0], [0, 6, 18, 18])
+    """
+    if not offsets_in_table(offsets, count, block_size, block_table.shape[1]):
+        return -1
+    for t in range(count):
+        _write_token(t, t, np.int64(offsets[t]), 0, block_table, block_size, dummy, pos_ids,
+                     block_idx, local_pos, request_idx, position_in_request)
+    _pad_token_maps(count, padded, dummy, block_idx, local_pos)
+    stage_decode_lengths(offsets, count, query_lengths, kv_lengths)
+    _, max_kv = write_mha_lengths(query_lengths, kv_lengths, count, padded,
+                                  mha_query_lengths, mha_kv_seq_lengths,
+                                  mha_cu_query_seq_lengths, mha_cu_kv_seq_lengths)
+    return max_kv
+
+
 @njit(cache=True)
 def decode_step(offsets, block_table, count, padded, block_size, dummy, query_lengths,
                 kv_lengths, pos_ids, block_idx, local_pos, request_idx,
                 position_in_request, mha_query_lengths, mha_kv_seq_lengths, mha_cu_query_seq_lengths,
                 mha_cu_kv_seq_lengths, mha_block_table):
-    """One draft depth in one call: token maps for rows ``0..n-1`` at ``offsets[:n]``
-    through ``block_table[:n]`` padded to ``padded``, the decode lengths, and the MHA
-    metadata padded to ``padded``. Returns the largest KV length, or -1 without writing
-    anything when an offset is negative or past the table (``offsets_in_table``).
+    """One draft depth in one call: ``decode_step_maps`` plus the MHA block table
+    (``block_table[:n]``, then -1 rows to ``padded``). Returns the largest KV length, or
+    -1 without writing anything when an offset is negative or past the table.
 
     offsets: int32 [R]; block_table: [R, W]; query/kv lengths: int32 [R]; the ten view
     outputs as in ``write_token_maps`` / ``write_mha_metadata``.
@@ -377,17 +450,13 @@ def decode_step(offsets, block_table, count, padded, block_size, dummy, query_le
     >>> tokens[1].tolist(), tokens[2].tolist(), mha[3].tolist()  # block, local, cu_kv
     ([3, 6, 99, 0], [5, 3, 0, 0], [0, 6, 18, 18])
     """
-    if not offsets_in_table(offsets, count, block_size, block_table.shape[1]):
-        return -1
-    for t in range(count):
-        _write_token(t, t, np.int64(offsets[t]), 0, block_table, block_size, dummy, pos_ids,
-                     block_idx, local_pos, request_idx, position_in_request)
-    _pad_token_maps(count, padded, dummy, block_idx, local_pos)
-    stage_decode_lengths(offsets, count, query_lengths, kv_lengths)
-    _, max_kv = write_mha_metadata(query_lengths, kv_lengths, count, block_table, count,
-                                   padded, dummy, mha_query_lengths, mha_kv_seq_lengths,
-                                   mha_cu_query_seq_lengths, mha_cu_kv_seq_lengths,
-                                   mha_block_table)
+    max_kv = decode_step_maps(offsets, block_table, count, padded, block_size, dummy,
+                              query_lengths, kv_lengths, pos_ids, block_idx, local_pos,
+                              request_idx, position_in_request, mha_query_lengths,
+                              mha_kv_seq_lengths, mha_cu_query_seq_lengths,
+                              mha_cu_kv_seq_lengths)
+    if max_kv >= 0:
+        write_mha_block_table(block_table, count, count, padded, dummy, mha_block_table)
     return max_kv
 
 

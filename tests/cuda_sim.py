@@ -328,6 +328,10 @@ class CudaSim:
         self.sync_reasons: List[str] = []
         self.pageable_async_copies = 0
         self.pageable_log: List[str] = []
+        self.h2d_copies = 0  # host-to-device copies issued
+        self.h2d_bytes = 0  # bytes they move
+        self.strided_h2d_copies = 0  # of them, with a non-contiguous side (CUDA stages
+        #                              those through a temporary: an allocation)
         self.stalls = 0  # event synchronize calls that had to wait for the device
         self.event_queries = 0
         self.fences_made = 0
@@ -664,6 +668,11 @@ class CudaSim:
                                    f"(strides {src.stride()}) into {tuple(dst.shape)} "
                                    f"{dst.dtype} (strides {dst.stride()})")
         label = "H2D copy" if crosses and to_device else "D2H copy" if crosses else "D2D copy"
+        if crosses and to_device:
+            self.h2d_copies += 1
+            self.h2d_bytes += dst.numel() * dst.element_size()
+            if not (dst.is_contiguous() and src.is_contiguous()):
+                self.strided_h2d_copies += 1
         self._enqueue(lambda: _COPY(dst, src, non_blocking), label,
                       reads_pinned=crosses and to_device and src_kind == PINNED,
                       tensors=(dst, src))

@@ -273,6 +273,35 @@ def test_decode_step_matches_naive_and_refuses_offsets_past_the_table(rng):
     assert accepted and refused
 
 
+def test_decode_step_maps_equals_decode_step_without_touching_a_table(rng):
+    """The mirror path's per-depth kernel: everything decode_step writes except the
+    MHA block table, which the mirror path places device-to-device from the persistent
+    table. A wrong token map or length corrupts KV; a table write here would put the
+    [padded, W] table back into every depth's pinned staging."""
+    accepted = refused = 0
+    for _ in range(CASES):
+        num_rows, width, block_size = geometry(rng)
+        count = int(rng.integers(0, num_rows + 1))
+        padded = count + int(rng.integers(0, 3))
+        high = width * block_size + (1 if rng.random() < 0.2 else 0)
+        offsets = rng.integers(-1 if rng.random() < 0.2 else 0, high,
+                               num_rows).astype(np.int32)
+        table = block_table(rng, num_rows, width)
+        q, kv = garbage(rng, num_rows, np.int32), garbage(rng, num_rows, np.int32)
+        view = token_outputs(rng, padded + 2) + mha_outputs(rng, padded + 1, width)
+        want_max, want_q, want_kv, want_view = naive.decode_step(
+            offsets, table, count, padded, block_size, DUMMY, q, kv, view)
+        table_before = view[9].copy()
+        got_max = native.staging.decode_step_maps(offsets, table, count, padded,
+                                                  block_size, DUMMY, q, kv, *view[:9])
+        assert got_max == want_max
+        assert_same([q, kv] + view[:9], [want_q, want_kv] + want_view[:9])
+        assert_same([view[9]], [table_before])
+        refused += got_max < 0
+        accepted += got_max >= 0
+    assert accepted and refused
+
+
 # --------------------------------------------------------------- staging: token maps
 def test_token_input_scan_matches_naive(rng):
     """check_token_inputs guards write_token_maps, which trusts its inputs: the wrong

@@ -159,6 +159,9 @@ def test_mirror_path_eager_depths_ignore_in_place_edits_until_begin_decode():
     assert view.token_to_pos_ids[:2].tolist() == [5, 11]  # the staged values
     assert view.token_to_block_idx[:2].tolist() == [int(TABLE[0, 1]), int(TABLE[1, 2])]
     assert shape.max_seqlen_k == 12
+    # The depth's table rows come from the device table, device-to-device (the table
+    # is never re-staged through the host per depth), so they do see the edit.
+    assert int(view.mha_block_table[1, 2]) == 42
     meta.end_forward()
 
     starts, table = np.array([8, 11]), TABLE.copy()

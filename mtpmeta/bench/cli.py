@@ -93,6 +93,11 @@ def _parser() -> ToolParser:
                         help="also count instructions per step under valgrind's "
                              "callgrind (load-independent ratios; about 1-2 minutes; "
                              "needs valgrind and the bench extra)")
+    parser.add_argument("--geometry", choices=("standard", "production"),
+                        default="standard", help="production: also the production-like "
+                        "row (R 1024, N 768, W 2048) with H2D bytes per step")
+    parser.add_argument("--width-sweep", action="store_true",
+                        help="per-draft-depth cost over W in {128, 512, 2048, 8192}")
     return parser
 
 
@@ -214,6 +219,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         output["instructions"] = count_step_instructions(config, steps=len(steps),
                                                          seed=args.seed)
         print(format_instructions(output["instructions"]))
+    from . import extra_sections  # issue 17's rows: per-call ops, fresh shapes, ...
+    output.update(extra_sections.run(args, config))
     if args.sweep or args.plot:
         actives = [8, 32, 64, 128, 192, 256] if not args.quick else [8, 64, 192]
         output["sweep"] = sweep(config, actives, max(2, repeats // 5), device,
