@@ -40,14 +40,15 @@ class CapturedLoop:
             route.begin_direct(count)
         else:
             backend.refuse_capture("begin_decode")
+            own_table = backend._own_block_table
+            if not native.staging.offsets_in_table(starts, count, self.block_size_tokens,
+                                                   own_table.shape[1]):
+                raise_position_error(self._geometry, "start_positions", starts, count)
             # The host truth may be a pinned begin slot whose copy is still in flight:
             # write the backend's own table instead (as begin_decode_for_capture does).
-            backend.host_block_table = backend._own_block_table
-            if not native.staging.copy_decode_inputs(starts, table, count,
-                                                     self.block_size_tokens,
-                                                     backend.host_offsets,
-                                                     backend.host_block_table):
-                raise_position_error(self._geometry, "start_positions", starts, count)
+            backend.host_block_table = own_table
+            native.staging.copy_decode_inputs(starts, table, count, self.block_size_tokens,
+                                              backend.host_offsets, own_table)
             backend.host_offsets_known = True
             route.begin_mirror(count, starts, table, self.block_size_tokens)
         self._enter_checked(count, padded, True)

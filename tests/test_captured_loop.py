@@ -525,3 +525,44 @@ def test_negative_control_unfenced_begin_ring_corrupts_later_steps():
     got, _ = lagging_captured_run(steps, disable_fences=True)
     want = default_route_run("mirror", steps)
     assert differences_over([(n,) for n, *_ in steps], got, want) != []
+
+
+@SIM_SKIP
+@pytest.mark.cuda_sim
+def test_captured_begin_never_rewrites_the_pinned_table_of_a_pending_default_loop():
+    """A default-route draft loop whose depths are still queued on a lagging device,
+    then at once a captured begin_decode with another table: on the mirror path the
+    default loop's host table is its pinned begin slot, which its pending copies still
+    read. The captured begin must stage through its own memory, so every queued depth
+    of the default loop still sees that loop's own table. (No toy forward here: the
+    host must not wait on the device between the two begins.)"""
+    (n, starts, table, _), (n2, starts2, table2, _) = schedule(11)[:2]
+    twin = new_meta("mirror")
+    twin_view = ContextGPUView(R, VIEW_TOKENS, W, "cpu")
+    twin.begin_decode(n, P, starts, table, True)
+    want = []
+    for _ in range(DEPTHS):
+        twin.setup_decode_step(twin_view)
+        want.append({name: getattr(twin_view, name).clone() for name in FIELDS})
+        twin.advance_decode_step()
+    sim = CudaSim(9, idle=1.0)  # the device runs nothing until the host waits
+    with sim:
+        meta = new_meta("mirror")
+        view = ContextGPUView(R, VIEW_TOKENS, W)
+        sim.synchronize()
+        syncs = sim.syncs
+        meta.begin_decode(n, P, starts, table, True)
+        kept = []
+        for _ in range(DEPTHS):
+            meta.setup_decode_step(view)
+            kept.append({name: getattr(view, name).clone() for name in FIELDS})
+            meta.advance_decode_step()
+        meta.end_forward()
+        meta.begin_decode(n2, P, starts2, table2, True, capture_setup=True)
+        meta.end_forward()
+        assert sim.syncs == syncs  # the default loop's copies may still be pending
+        sim.synchronize()
+        got = [{name: sim.peek(t) for name, t in snap.items()} for snap in kept]
+    for depth, (ours, theirs) in enumerate(zip(got, want)):
+        for name in PADDED_FIELDS[:2] + ("mha_block_table",):
+            assert torch.equal(ours[name][:P], theirs[name][:P]), f"depth {depth}: {name}"
