@@ -11,8 +11,9 @@ nothing and never sync, so a graph captured once at ``p`` (after
 ``begin_decode_for_capture(p, capture_setup=True)``) replays correctly for every real
 count ``n' <= p`` that a later ``begin_decode`` stages. Rows ``[n', p)`` are masked with
 the device count: token block ``D``, local 0, zero lengths, flat cumulative sums,
-``-1`` block rows. A real row whose block column falls outside ``[0, W)`` also goes to
-``D`` (the device cannot raise; the default route refuses such a position instead).
+``-1`` block rows. A real row whose block column falls outside ``[0, W)``, or whose
+table entry there is negative (an unallocated block), also goes to ``D`` (the device
+cannot raise; the default route refuses both instead).
 
 The same torch ops run on both backends: on the direct path the device is the CPU and
 a replayed graph could never re-run a numba kernel, so this route uses none.
@@ -21,7 +22,7 @@ Fields the default route leaves untouched on pad rows (request index, both posit
 are written here with the rows' ids and offsets: a forward must not read them there
 (the default route gives them no meaning either).
 
-Cost note: 26 device ops per depth (``DEPTH_OPS``), 1 per advance, all inside the graph
+Cost note: 28 device ops per depth (``DEPTH_OPS``), 1 per advance, all inside the graph
 at replay; the host's only work per step is ``begin_decode``: 2 H2D copies (count and
 offsets prefix together, table prefix) on the mirror path, no torch op on the direct
 path.
@@ -46,7 +47,7 @@ from .staging import StagingRing
 
 __all__ = ["CapturedRoute", "mark_pad_rows", "DEPTH_OPS", "ADVANCE_OPS"]
 
-DEPTH_OPS = 26  # device ops one captured setup_decode_step issues (tests count them)
+DEPTH_OPS = 28  # device ops one captured setup_decode_step issues (tests count them)
 ADVANCE_OPS = 1  # device ops one captured advance_decode_step issues
 _BEGIN_SLOTS = 2  # begin_decode runs once per step: double buffering is enough
 
@@ -79,8 +80,8 @@ class _DepthViews:
     table: Tensor  # [p, W] persistent block table
     pad: Tensor  # [p] bool scratch: row >= n
     pad_2d: Tensor  # [p, 1] the same, broadcast over block columns
-    outside: Tensor  # [p] bool scratch: pad row, negative offset or column >= W
-    high: Tensor  # [p] bool scratch: column >= W
+    outside: Tensor  # [p] bool scratch: pad row, negative offset or block, column >= W
+    high: Tensor  # [p] bool scratch: column >= W, then: negative block
     columns: Tensor  # [p] int64 scratch: block column of each offset
     columns_2d: Tensor  # [p, 1] the same, for gather
     gathered: Tensor  # [p, 1] scratch of the table dtype
@@ -199,6 +200,8 @@ class CapturedRoute:
         torch.logical_or(v.outside, v.pad, out=v.outside)
         v.columns.clamp_(0, self.width - 1)
         torch.gather(v.table, 1, v.columns_2d, out=v.gathered)
+        torch.lt(v.gathered_1d, 0, out=v.high)  # an unallocated (-1) block: to D as well
+        torch.logical_or(v.outside, v.high, out=v.outside)
         f.token_to_block_idx.copy_(v.gathered_1d)
         f.token_to_block_idx.masked_fill_(v.outside, self.dummy)
         torch.remainder(v.offsets, self.block_size,

@@ -345,6 +345,21 @@ def test_captured_position_past_the_table_goes_to_dummy(path):
 
 
 @pytest.mark.parametrize("path", PATHS)
+def test_captured_unallocated_block_goes_to_dummy(path):
+    """The default route refuses a -1 (unallocated) block in a column a row writes; the
+    device cannot raise, so the captured route sends that token to D instead of writing
+    block -1. Example: row 0 at position 5 (column 1) with table[0, 1] = -1."""
+    meta = new_meta(path)
+    view = ContextGPUView(R, VIEW_TOKENS, W, "cpu")
+    table = torch.arange(R * W, dtype=torch.int32).view(R, W).clone()
+    table[0, 1] = -1
+    meta.begin_decode(2, 3, torch.tensor([5, 5] + [0] * (R - 2), dtype=torch.int32),
+                      table, True, capture_setup=True)
+    meta.setup_decode_step(view)
+    assert view.token_to_block_idx[:3].tolist() == [D, W + 1, D]
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_default_route_call_after_a_captured_depth_raises_until_begin_decode(path):
     """After a captured depth the host copy of the offsets is stale: once the captured
     loop ends, advance_decode_step and stage_decode_lengths (default route) raise

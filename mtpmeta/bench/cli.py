@@ -201,7 +201,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                                         number=300 if args.quick else 2000)
         output["input_cost"] = input_cost
         print(format_input_cost(input_cost))
-    targets = target_lines(results, floors, input_cost)
+    targets = target_lines(results, floors, input_cost, config.depths)
     output["targets"] = targets
     if targets:
         print(TARGETS_NOTE)
