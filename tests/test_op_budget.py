@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from mtpmeta import ContextGPUView, MTPMetadata
-from mtpmeta.bench.opcount import OpCounter
-from mtpmeta.bench.workload import StepConfig, make_steps, run_rows, run_step
+from mtpmeta.bench.callops import counted_step
+from mtpmeta.bench.workload import StepConfig, make_steps, run_step
 from tests.cuda_sim import CudaSim
 from tests.upstream_view import UpstreamLayoutView
 
@@ -45,35 +45,6 @@ def _build(config: StepConfig, layout: str):
     return meta, view
 
 
-def _counted_step(meta, view, inputs, config: StepConfig):
-    """One standard step with an ``OpCounter`` per call: ``{call: [counters]}``."""
-    calls = {name: [] for name in ("rows", "carry", "begin_decode", "depth", "advance",
-                                   "commit")}
-
-    def counted(name, fn, *args, **kwargs):
-        with OpCounter() as counter:
-            result = fn(*args, **kwargs)
-        calls[name].append(counter)
-        return result
-
-    counted("rows", run_rows, meta, inputs)
-    counted("carry", meta.carry_chunk_boundary, inputs.hidden, inputs.carry_req_id,
-            inputs.carry_position)
-    meta.take_chunk_boundary(inputs.carry_req_id, inputs.carry_position)
-    counted("begin_decode", meta.begin_decode, config.active, config.padded_active,
-            inputs.start_positions, inputs.block_table, config.graphed)
-    for _ in range(config.depths):
-        counted("depth", meta.setup_decode_step, view)
-        counted("advance", meta.advance_decode_step)
-    meta.end_forward()
-    counted("commit", meta.setup_commit_pass, view, inputs.append_counts,
-            inputs.block_table, start_positions=inputs.commit_starts,
-            inherited_blocks=inputs.inherited, padded_token_count=inputs.padded_tokens,
-            padded_request_count=inputs.padded_requests)
-    meta.end_forward()
-    return calls
-
-
 @pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_mirror_calls_stay_within_their_device_op_budgets(layout, graphed):
@@ -85,7 +56,7 @@ def test_mirror_calls_stay_within_their_device_op_budgets(layout, graphed):
     steps = make_steps(config, 4, seed=0)
     for inputs in steps:
         run_step(meta, view, inputs, config)
-    calls = _counted_step(meta, view, steps[2], config)
+    calls = counted_step(meta, view, steps[2], config)
     for name, counters in calls.items():
         for counter in counters:
             assert counter.scalar_reads == 0, (name, counter.ops)
@@ -184,7 +155,7 @@ def test_reference_op_counts_are_upstreams_within_ten_percent():
     steps = make_steps(STANDARD, 4, seed=0)
     for inputs in steps:
         run_step(meta, view, inputs, STANDARD)
-    calls = _counted_step(meta, view, steps[2], STANDARD)
+    calls = counted_step(meta, view, steps[2], STANDARD)
     for name, upstream in UPSTREAM_DATA_OPS.items():
         for counter in calls[name]:
             slack = max(1, upstream // 10)

@@ -7,25 +7,27 @@ is the upstream-equivalent count. On a GPU each data op is a launch, 4-7 µs of 
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 import torch
 
-__all__ = ["CALLS", "ops_per_call", "format_ops_per_call"]
+__all__ = ["CALLS", "counted_step", "ops_per_call", "format_ops_per_call"]
 
 CALLS = ("rows", "carry", "begin_decode", "depth", "advance", "commit")
 
 
-def _count(meta: Any, view: Any, inputs: Any, config: Any) -> Dict[str, int]:
+def counted_step(meta: Any, view: Any, inputs: Any, config: Any) -> Dict[str, List[Any]]:
+    """One standard step with an ``OpCounter`` per call: ``{call: [counters]}`` (one
+    counter per depth and per advance)."""
     from .opcount import OpCounter
     from .workload import run_rows
 
-    counts = dict.fromkeys(CALLS, 0)
+    calls: Dict[str, List[Any]] = {name: [] for name in CALLS}
 
     def counted(name, fn, *args, **kwargs):
         with OpCounter() as counter:
             fn(*args, **kwargs)
-        counts[name] += counter.data_ops
+        calls[name].append(counter)
 
     counted("rows", run_rows, meta, inputs)
     counted("carry", meta.carry_chunk_boundary, inputs.hidden, inputs.carry_req_id,
@@ -42,9 +44,14 @@ def _count(meta: Any, view: Any, inputs: Any, config: Any) -> Dict[str, int]:
             inherited_blocks=inputs.inherited, padded_token_count=inputs.padded_tokens,
             padded_request_count=inputs.padded_requests)
     meta.end_forward()
-    counts["depth"] //= config.depths
-    counts["advance"] //= config.depths
-    return counts
+    return calls
+
+
+def _count(meta: Any, view: Any, inputs: Any, config: Any) -> Dict[str, int]:
+    """Data ops per call of one standard step (per depth and per advance: one of each)."""
+    calls = counted_step(meta, view, inputs, config)
+    return {name: sum(c.data_ops for c in counters) // max(len(counters), 1)
+            for name, counters in calls.items()}
 
 
 def ops_per_call(config: Any) -> Dict[str, Dict[str, int]]:
