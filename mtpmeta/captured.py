@@ -42,6 +42,7 @@ from .buffers import PersistentBuffers
 from .cache import BoundedCache
 from .gpu_view import ViewTarget
 from .layout import PackedLayout
+from .mirror_device import write_lengths_and_table
 from .runtime import DeviceRuntime
 from .staging import StagingRing
 
@@ -211,15 +212,7 @@ class CapturedRoute:
         f.token_to_position_in_request.copy_(v.offsets)
         f.token_to_pos_ids.copy_(v.offsets)
         self._lengths(v)
-        f.mha_query_lengths.copy_(v.query)
-        f.mha_kv_seq_lengths.copy_(v.kv)
-        cu_q_head, cu_kv_head = v.cu_heads
-        cu_q_body, cu_kv_body = v.cu_bodies
-        cu_q_head.zero_()
-        cu_kv_head.zero_()
-        torch.cumsum(v.query, 0, dtype=cu_q_body.dtype, out=cu_q_body)
-        torch.cumsum(v.kv, 0, dtype=cu_kv_body.dtype, out=cu_kv_body)
-        f.mha_block_table.copy_(v.table)
+        write_lengths_and_table(f, v)
         f.mha_block_table.masked_fill_(v.pad_2d, -1)
 
     def _lengths(self, v: Any) -> None:

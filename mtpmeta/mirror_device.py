@@ -29,7 +29,27 @@ from .buffers import PersistentBuffers
 from .gpu_view import ViewTarget
 from .runtime import get_runtime
 
-__all__ = ["DeviceRoute"]
+__all__ = ["write_lengths_and_table", "DeviceRoute"]
+
+
+def write_lengths_and_table(fields: Any, v: Any) -> None:
+    """A draft depth's MHA fields from staged device lengths, 7 device ops: both
+    lengths, both cumulative sums (0, then the running sum) and the block-table rows.
+
+    ``v`` holds ``query``, ``kv`` ([p] int32), ``table`` ([p, W]), ``cu_heads`` (the
+    ``[:1]`` views of both cu fields) and ``cu_bodies`` (their ``[1:p + 1]`` views);
+    ``fields`` the view's ``[:p]`` prefixes. Shared by the device-input route and the
+    captured route, which differ only in how they stage ``v``.
+    """
+    fields.mha_query_lengths.copy_(v.query)
+    fields.mha_kv_seq_lengths.copy_(v.kv)
+    cu_q_head, cu_kv_head = v.cu_heads
+    cu_q_body, cu_kv_body = v.cu_bodies
+    cu_q_head.zero_()
+    cu_kv_head.zero_()
+    torch.cumsum(v.query, 0, dtype=cu_q_body.dtype, out=cu_q_body)
+    torch.cumsum(v.kv, 0, dtype=cu_kv_body.dtype, out=cu_kv_body)
+    fields.mha_block_table.copy_(v.table)
 
 
 @dataclass(frozen=True)
@@ -110,15 +130,7 @@ class DeviceRoute:
         f.token_to_pos_ids.copy_(v.offsets)
         v.query.fill_(1)
         torch.add(v.offsets, 1, out=v.kv)
-        f.mha_query_lengths.copy_(v.query)
-        f.mha_kv_seq_lengths.copy_(v.kv)
-        cu_q_head, cu_kv_head = v.cu_heads
-        cu_q_body, cu_kv_body = v.cu_bodies
-        cu_q_head.zero_()
-        cu_kv_head.zero_()
-        torch.cumsum(v.query, 0, dtype=cu_q_body.dtype, out=cu_q_body)
-        torch.cumsum(v.kv, 0, dtype=cu_kv_body.dtype, out=cu_kv_body)
-        f.mha_block_table.copy_(v.table)
+        write_lengths_and_table(f, v)
         if v.pad_tokens is not None:
             pad_block, pad_local = v.pad_tokens
             pad_block.fill_(self.dummy)
