@@ -23,34 +23,40 @@ are written here with the rows' ids and offsets: a forward must not read them th
 (the default route gives them no meaning either).
 
 Cost note: 28 device ops per depth (``DEPTH_OPS``), 1 per advance, all inside the graph
-at replay; the host's only work per step is ``begin_decode``: 2 H2D copies (count and
-offsets prefix together, table prefix) on the mirror path, no torch op on the direct
-path.
+at replay; the host's only work per step is ``begin_decode``, the default route's own:
+2 H2D copies on the mirror path (the count and ``offsets[:n]`` together, since the
+count sits just before the offsets on both sides, then ``block_table[:n]``), no torch
+op on the direct path.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from . import native
 from .buffers import PersistentBuffers
 from .cache import BoundedCache
 from .gpu_view import ViewTarget
-from .layout import PackedLayout
 from .mirror_device import write_lengths_and_table
-from .runtime import DeviceRuntime
-from .staging import StagingRing
 
-__all__ = ["CapturedRoute", "mark_pad_rows", "DEPTH_OPS", "ADVANCE_OPS"]
+__all__ = ["CapturedRoute", "stage_count", "mark_pad_rows", "DEPTH_OPS", "ADVANCE_OPS"]
 
 DEPTH_OPS = 28  # device ops one captured setup_decode_step issues (tests count them)
 ADVANCE_OPS = 1  # device ops one captured advance_decode_step issues
-_BEGIN_SLOTS = 2  # begin_decode runs once per step: double buffering is enough
+
+
+def stage_count(head: np.ndarray, count: int) -> None:
+    """Write a draft loop's real request count ``n`` where the device count comes from:
+    ``head`` is ``[>= 1]`` int32, a begin slot's head (mirror: copied with the offsets)
+    or ``buffers.draft_count`` itself (direct). Every ``begin_decode`` and
+    ``begin_decode_for_capture`` of both backends calls it through this module (the
+    negative-control seam of the tests), so a graph captured with ``capture_setup``
+    replayed after any begin masks rows ``[n, padded)`` as pad rows."""
+    head[0] = count
 
 
 def mark_pad_rows(row_ids: Tensor, count: Tensor, out: Tensor) -> Tensor:
@@ -100,17 +106,14 @@ class CapturedRoute:
     Holds, from ``allocate`` on (never allocated later):
     ``count`` (``PersistentBuffers.draft_count``, [1] int32 device: the loop's real
     request count ``n``, stored just before ``offsets``), ``[3, R]`` bool mask scratch,
-    ``[R]`` int64 column scratch, ``[R, 1]`` gathered-block scratch and, on the mirror
-    path, a double-buffered pinned ring whose slot packs ``count, offsets [R + 1]
-    int32 | block_table [R, W]``.
+    ``[R]`` int64 column scratch and ``[R, 1]`` gathered-block scratch. Staging is the
+    backends' own ``begin_decode`` (it writes the count through ``stage_count``).
     """
 
-    def __init__(self, buffers: PersistentBuffers, *, block_size: int, dummy: int,
-                 mirror: bool, runtime: DeviceRuntime) -> None:
+    def __init__(self, buffers: PersistentBuffers, *, block_size: int, dummy: int) -> None:
         self.buffers = buffers
         self.block_size = block_size
         self.dummy = dummy
-        self.mirror = mirror
         requests, width = buffers.block_table.shape
         self.width = width
         device = buffers.offsets.device
@@ -120,70 +123,7 @@ class CapturedRoute:
         self._columns = torch.zeros(requests, dtype=torch.int64, device=device)  # [R]
         self._gathered = torch.zeros((requests, 1), dtype=buffers.block_table.dtype,
                                      device=device)  # [R, 1]
-        self._host_count = None if mirror else self.count.numpy()  # direct: same memory
-        self._ring: Optional[StagingRing] = None
-        if mirror:
-            layout = PackedLayout.build((
-                ("head", torch.int32, (requests + 1,)),  # count, then offsets
-                ("block_table", buffers.block_table.dtype, (requests, width))), align=8)
-            self._ring = StagingRing(layout.nbytes, _BEGIN_SLOTS, device, runtime)
-            self._slot_arrays = [layout.arrays(self._ring.host_np[i])
-                                 for i in range(_BEGIN_SLOTS)]
-            self._slot_tensors = [layout.tensors(self._ring.slots[i])
-                                  for i in range(_BEGIN_SLOTS)]
-        self._copies = BoundedCache(512)  # (slot, n) -> [(dst, src)] H2D copy pairs
         self._lengths_plans = BoundedCache(256)  # p -> _LengthViews
-
-    # ----------------------------------------------------------------- staging
-    def stage_count(self, count: int, slot: Optional[int] = None) -> None:
-        """Write the loop's real request count ``n`` for the device: into the pinned
-        ``slot`` (mirror; ``begin_mirror`` copies it) or straight into ``count``
-        (direct, a numpy write: no torch op). The negative-control seam of the tests."""
-        if slot is None:
-            self._host_count[0] = count
-        else:
-            self._slot_arrays[slot].head[0] = count
-
-    def begin_direct(self, count: int) -> None:
-        """Direct path: ``offsets``/``block_table`` were written by the default kernel;
-        only the device count is left."""
-        self.stage_count(count)
-
-    def begin_mirror(self, count: int, start_positions: np.ndarray, table_src: np.ndarray,
-                     block_size: int) -> None:
-        """Mirror path, host inputs already validated: pack ``n``, ``offsets[:n]`` and
-        ``block_table[:n]`` into one fenced pinned slot, then 2 async copies (1 when
-        ``n == 0``): ``draft_head[:n + 1]`` (count and offsets, adjacent on both sides)
-        and ``block_table[:n]``."""
-        ring = self._ring
-        slot = ring.acquire()
-        arrays = self._slot_arrays[slot]
-        native.staging.copy_decode_inputs(start_positions, table_src, count, block_size,
-                                          arrays.head[1:], arrays.block_table)
-        self.stage_count(count, slot)
-        copies = self._copies.get((slot, count))
-        if copies is None:
-            staged, buffers = self._slot_tensors[slot], self.buffers
-            copies = [(buffers.draft_head[:count + 1], staged.head[:count + 1])]
-            if count:
-                copies.append((buffers.block_table[:count], staged.block_table[:count]))
-            self._copies.put((slot, count), copies)
-        for dst, src in copies:
-            dst.copy_(src, non_blocking=True)
-        ring.release(slot)
-
-    def begin_device(self, count: int) -> None:
-        """Mirror path with device-tensor start positions (already copied on the
-        device): the count is a device fill with a host scalar, issued eagerly."""
-        self.count.fill_(count)
-
-    def begin_capture(self, padded: int) -> None:
-        """``begin_decode_for_capture(p, capture_setup=True)``: every row real (the
-        default kernel already zeroed the offsets and filled the table with ``D``)."""
-        if self.mirror:
-            self.count.fill_(padded)
-        else:
-            self._host_count[0] = padded
 
     # ------------------------------------------------------------- draft loop
     def decode_step(self, target: ViewTarget, padded: int) -> None:

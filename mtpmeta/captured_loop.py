@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import native
 from .checks import raise_position_error
 from .errors import StaleOffsetsError
 from .gpu_view import ViewTarget
@@ -30,35 +29,18 @@ class CapturedLoop:
                         table: Any, on_device: bool) -> None:
         """``begin_decode(..., capture_setup=True)`` for validated counts: stage
         ``offsets[:n]``, ``block_table[:n]`` and the device count, then enter DRAFT."""
-        route = self._captured
         if on_device:  # mirror path only: copied on the device, count by a device fill
             backend.begin_decode_device(count, starts, table)
-            route.begin_device(count)
-        elif not backend.mirror:
-            if not backend.begin_decode(count, starts, table):
-                raise_position_error(self._geometry, "start_positions", starts, count)
-            route.begin_direct(count)
-        else:
-            backend.refuse_capture("begin_decode")
-            own_table = backend._own_block_table
-            if not native.staging.offsets_in_table(starts, count, self.block_size_tokens,
-                                                   own_table.shape[1]):
-                raise_position_error(self._geometry, "start_positions", starts, count)
-            # The host truth may be a pinned begin slot whose copy is still in flight:
-            # write the backend's own table instead (as begin_decode_for_capture does).
-            backend.host_block_table = own_table
-            native.staging.copy_decode_inputs(starts, table, count, self.block_size_tokens,
-                                              backend.host_offsets, own_table)
-            backend.host_offsets_known = True
-            route.begin_mirror(count, starts, table, self.block_size_tokens)
+        elif not backend.begin_decode(count, starts, table):  # the default staging,
+            # which also stages the device count (captured.stage_count)
+            raise_position_error(self._geometry, "start_positions", starts, count)
         self._enter_checked(count, padded, True)
         self._capture_setup = True
 
     def _begin_captured_for_capture(self, padded: int) -> None:
         """``begin_decode_for_capture(p, capture_setup=True)`` after the default
         scratch fill: every one of the ``p`` rows is real for the device too."""
-        self._captured.begin_capture(padded)
-        self._enter_checked(padded, padded, True)
+        self._enter_checked(padded, padded, True)  # the backend set the device count
         self._capture_setup = True
 
     def _captured_step(self, target: ViewTarget, gpu_view: Any) -> ForwardShape:

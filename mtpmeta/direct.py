@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import numpy as np
-from . import native
+from . import captured, native
 from .buffers import PersistentBuffers
 from .gpu_view import ViewTarget
 from .inputs import kernel_optional
@@ -31,6 +31,7 @@ class DirectBackend:
         self.block_size = block_size
         self.dummy = dummy
         self.host_offsets = buffers.offsets.numpy()  # [R] int32
+        self._draft_count = buffers.draft_count.numpy()  # [1] int32: n, for §12 graphs
         self.host_offsets_known = True
         self._block_table = buffers.block_table.numpy()  # [R, W]
         self.host_block_table = self._block_table  # the same memory, as on the mirror
@@ -42,13 +43,18 @@ class DirectBackend:
                      table_src: np.ndarray) -> bool:
         """Stage the draft loop; False (nothing written) when a start position is
         negative or past the block table."""
-        return native.staging.copy_decode_inputs(start_positions, table_src, count,
+        if not native.staging.copy_decode_inputs(start_positions, table_src, count,
                                                  self.block_size, self.host_offsets,
-                                                 self._block_table)
+                                                 self._block_table):
+            return False
+        captured.stage_count(self._draft_count, count)  # a numpy write
+        return True
 
     def begin_decode_for_capture(self, count: int) -> None:
         native.staging.fill_capture_state(self.host_offsets, self._block_table, count,
                                           self.dummy)
+        captured.stage_count(self._draft_count, count)  # a numpy write
+
 
     def advance_decode_step(self, count: int) -> None:
         native.staging.advance_offsets(self.host_offsets, count)

@@ -61,7 +61,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from . import native
+from . import captured, native
 from .buffers import PersistentBuffers
 from .errors import GraphCaptureError
 from .gpu_view import ViewFields, ViewTarget, kernel_args, view_entries
@@ -113,8 +113,9 @@ class MirrorBackend:
         self._scratch_kv = np.zeros(max_requests + 1, dtype=np.int32)
         runtime = self.runtime
 
-        # begin_decode staging: offsets [R] int32 and the block table [R, W].
-        begin = PackedLayout.build((("offsets", torch.int32, (max_requests,)),
+        # begin_decode staging: the draft head [R + 1] int32 (the device count n, then
+        # the offsets, laid out as buffers.draft_head) and the block table [R, W].
+        begin = PackedLayout.build((("head", torch.int32, (max_requests + 1,)),
                                     ("block_table", table_dtype, (max_requests, width))),
                                    align=_ALIGN)
         self._begin_ring = StagingRing(begin.nbytes, num_slots, self.device, runtime)
@@ -310,21 +311,23 @@ class MirrorBackend:
                                                self.host_block_table.shape[1]):
             return False  # checked before a slot is taken: nothing written
         self.host_offsets_known = True
-        if count == 0:
-            return True
         ring = self._begin_ring
         slot = ring.acquire()
-        offsets_np, table_np = self._begin_arrays[slot]
+        head_np, table_np = self._begin_arrays[slot]
         native.staging.copy_decode_inputs(start_positions, table_src, count,
-                                          self.block_size, offsets_np, table_np)
-        self.host_offsets[:count] = offsets_np[:count]
+                                          self.block_size, head_np[1:], table_np)
+        # The device count too, in the same copy: a graph captured with capture_setup
+        # (contract §12) replayed after this begin masks rows [n, padded) as pad rows.
+        captured.stage_count(head_np, count)
+        self.host_offsets[:count] = head_np[1:count + 1]
         self.host_block_table = table_np  # the host truth is the staged slot itself
-        offsets_t, table_t = self._begin_tensors[slot]
+        head_t, table_t = self._begin_tensors[slot]
         buffers = self.buffers
-        self._prefix("offsets", buffers.offsets, 0, count).copy_(
-            self._prefix(("begin_offsets", slot), offsets_t, 0, count), non_blocking=True)
-        self._prefix("block_table", buffers.block_table, 0, count).copy_(
-            self._prefix(("begin_table", slot), table_t, 0, count), non_blocking=True)
+        self._prefix("draft_head", buffers.draft_head, 0, count + 1).copy_(
+            self._prefix(("begin_head", slot), head_t, 0, count + 1), non_blocking=True)
+        if count:
+            self._prefix("block_table", buffers.block_table, 0, count).copy_(
+                self._prefix(("begin_table", slot), table_t, 0, count), non_blocking=True)
         ring.release(slot)
         return True
 
@@ -332,6 +335,7 @@ class MirrorBackend:
                             table_src: Tensor) -> None:
         self.refuse_capture("begin_decode")
         self.device_route.begin_decode(count, start_positions, table_src)
+        self.buffers.draft_count.fill_(count)  # the device count (contract §12)
         self.host_offsets_known = False
 
     def begin_decode_for_capture(self, count: int) -> None:
@@ -342,6 +346,7 @@ class MirrorBackend:
         self.host_offsets_known = True
         self._prefix("offsets", self.buffers.offsets, 0, count).zero_()
         self._prefix("block_table", self.buffers.block_table, 0, count).fill_(self.dummy)
+        self.buffers.draft_count.fill_(count)  # every row real for the device too
 
     def advance_decode_step(self, count: int) -> None:
         self.refuse_capture("advance_decode_step")

@@ -155,8 +155,7 @@ class MetadataState:
         self._buffers, self._backend, self._geometry = buffers, backend, geometry
         self._memo = None if buffers is None else ForwardMemo(buffers, geometry)
         self._captured = None if buffers is None else CapturedRoute(
-            buffers, block_size=self.block_size_tokens, dummy=self.dummy_block_idx,
-            mirror=backend.mirror, runtime=getattr(backend, "runtime", get_runtime()))
+            buffers, block_size=self.block_size_tokens, dummy=self.dummy_block_idx)
         self._capture_setup = self._offsets_stale = False
         self.active_offsets = self.active_block_table = self._active_lengths = None
         self.last_forward = self._unchecked_table = None

@@ -8,7 +8,7 @@ then replays it after ``begin_decode(n', P, ..., capture_setup=True)`` for ``n'`
 snapshots the view, the cache and the draft buffers after every depth (static outputs,
 as a real graph's), and they must equal what the default route writes on a twin object
 for the same steps. Two negative controls, planted through the seams
-(``mtpmeta.captured.mark_pad_rows``, ``CapturedRoute.stage_count``), must make that
+(``mtpmeta.captured.mark_pad_rows``, ``mtpmeta.captured.stage_count``), must make that
 comparison fail.
 """
 
@@ -50,9 +50,9 @@ REAL_FIELDS = ("token_to_request_idx", "token_to_position_in_request", "token_to
 CU_FIELDS = ("mha_cu_query_seq_lengths", "mha_cu_kv_seq_lengths")
 
 
-def new_meta(path: str) -> MTPMetadata:
+def new_meta(path: str, **allocate: Any) -> MTPMetadata:
     meta = MTPMetadata(**CFG.metadata_kwargs())
-    meta.allocate("cpu", mirror=(path == "mirror"))
+    meta.allocate("cpu", mirror=(path == "mirror"), **allocate)
     return meta
 
 
@@ -112,8 +112,8 @@ def default_route_run(path: str, steps) -> List[List[Dict[str, torch.Tensor]]]:
     return runs
 
 
-def captured_run(path: str, steps, seed: int) -> Tuple[List[List[Dict[str, torch.Tensor]]],
-                                                       SimGraph, CudaSim]:
+def captured_run(path: str, steps, seed: int, *, capture_setup_begin: bool = True
+                 ) -> Tuple[List[List[Dict[str, torch.Tensor]]], SimGraph, CudaSim]:
     """The captured loop under the simulator: one capture at ``P``, one replay per step
     after ``begin_decode(..., capture_setup=True)``. On the direct path the "device"
     buffers are CPU memory the numba kernels of ``begin_decode`` write at once, so the
@@ -144,7 +144,7 @@ def captured_run(path: str, steps, seed: int) -> Tuple[List[List[Dict[str, torch
                 x.copy_(inputs)
             if path == "direct":
                 sim.synchronize()
-            meta.begin_decode(n, P, starts, table, True, capture_setup=True)
+            meta.begin_decode(n, P, starts, table, True, capture_setup=capture_setup_begin)
             graph.replay()
             meta.end_forward()
             sim.synchronize()
@@ -202,6 +202,19 @@ def test_captured_loop_replays_equal_the_default_route_for_every_count(path, see
 @SIM_SKIP
 @pytest.mark.cuda_sim
 @pytest.mark.parametrize("path", PATHS)
+def test_replay_after_a_default_begin_decode_still_masks_the_pad_rows(path):
+    """Every begin_decode stages the device count, not only a capture_setup one: a
+    graph holding the captured setup, replayed after a default-route begin with
+    n' < P, treats rows [n', P) as pad rows and equals the default route (before,
+    the count kept the capture's P and stale rows wrote real KV)."""
+    steps = schedule(2)
+    got, _, _ = captured_run(path, steps, 2, capture_setup_begin=False)
+    assert differences(got, default_route_run(path, steps)) == []
+
+
+@SIM_SKIP
+@pytest.mark.cuda_sim
+@pytest.mark.parametrize("path", PATHS)
 def test_negative_control_pad_mask_removed_writes_real_kv_and_fails(path, monkeypatch):
     """Plant: the pad mask marks no row (pad rows [n', P) are treated as real). The
     replays with n' < P then write the pad rows' KV into the stale rows' real blocks,
@@ -222,7 +235,7 @@ def test_negative_control_count_not_restaged_fails(path, monkeypatch):
     """Plant: begin_decode does not restage the device count, so it keeps the
     capture's P. Every replay with n' < P then treats stale rows as real: the
     comparison must fail (KV cache included)."""
-    monkeypatch.setattr(CapturedRoute, "stage_count", lambda self, count, slot=None: None)
+    monkeypatch.setattr(captured_module, "stage_count", lambda head, count: None)
     steps = schedule(1)
     got, _, _ = captured_run(path, steps, 1)
     bad = differences(got, default_route_run(path, steps))
@@ -481,7 +494,7 @@ def lagging_captured_run(steps, disable_fences: bool):
     sim = CudaSim(7, idle=0.97, disable_fences=disable_fences)
     kept = []
     with sim:
-        meta = new_meta("mirror")
+        meta = new_meta("mirror", staging_slots=2)  # 8 steps wrap the begin ring
         view = ContextGPUView(R, VIEW_TOKENS, W)
         cache = PagedKVCache(CFG, torch.device("cpu"))
         x = torch.zeros(P, CFG.heads, CFG.head_dim)
