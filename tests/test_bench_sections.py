@@ -40,15 +40,16 @@ def _mirror(config: StepConfig):
 
 
 def test_h2d_counter_sees_begin_decode_ship_the_table_once():
-    """Hand-worked: begin_decode of n rows moves n int32 offsets and an [n, W] int32
-    table host-to-device (two copies), and a draft depth moves no table at all."""
+    """Hand-worked: begin_decode of n rows moves the int32 device count with n int32
+    offsets (one copy: they sit side by side) and an [n, W] int32 table host-to-device
+    (two copies), and a draft depth moves no table at all."""
     config = StepConfig(max_requests=16, block_columns=32, block_size=8, active=10,
                         prefill_tokens=8, inherited_blocks=1, moves=2, swaps=1, resets=2)
     meta, view, recorder = _mirror(config)
     inputs = make_steps(config, 1, seed=0)[0]
     with H2DCounter(recorder) as counter:
         meta.begin_decode(10, 16, inputs.start_positions, inputs.block_table, False)
-    assert (counter.copies, counter.nbytes) == (2, 10 * 4 + 10 * 32 * 4)
+    assert (counter.copies, counter.nbytes) == (2, (1 + 10) * 4 + 10 * 32 * 4)
     with H2DCounter(recorder) as counter:
         meta.setup_decode_step(view)
     assert counter.copies == 1
