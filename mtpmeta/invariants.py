@@ -267,8 +267,7 @@ def _check_block_ids(meta: Any, record: ForwardRecord, f: Dict[str, np.ndarray],
 def _check_draft_ids_fit(meta: Any, record: ForwardRecord, view_dtype: torch.dtype,
                          rows: np.ndarray, columns: np.ndarray) -> None:
     table = _host(meta.block_table).astype(np.int64)
-    inside = np.flatnonzero((rows >= 0) & (rows < table.shape[0]) & (columns >= 0) &
-                            (columns < table.shape[1]))
+    inside = np.flatnonzero(_in_table(rows, columns, table.shape))
     info = torch.iinfo(view_dtype)
     values = table[rows[inside], columns[inside]]
     bad = np.flatnonzero((values < info.min) | (values > info.max))
@@ -281,12 +280,16 @@ def _check_draft_ids_fit(meta: Any, record: ForwardRecord, view_dtype: torch.dty
                            f"holds a wrapped id, another block")
 
 
+def _in_table(rows: np.ndarray, columns: np.ndarray, shape: tuple) -> np.ndarray:
+    """[T] bool: token ``t``'s ``(rows[t], columns[t])`` lies inside a table of ``shape``."""
+    return (rows >= 0) & (rows < shape[0]) & (columns >= 0) & (columns < shape[1])
+
+
 def _compare_blocks(record: ForwardRecord, blocks: np.ndarray, rows: np.ndarray,
                     columns: np.ndarray, table: np.ndarray,
                     inherited: Optional[np.ndarray], what: str) -> None:
     """Each real token not redirected by ``inherited`` holds ``table[row, column]``."""
-    inside = (rows >= 0) & (rows < table.shape[0]) & (columns >= 0) & \
-        (columns < table.shape[1])
+    inside = _in_table(rows, columns, table.shape)
     if inherited is not None:
         inside &= ~((rows < inherited.shape[0]) &
                     (columns < inherited[np.clip(rows, 0, max(inherited.shape[0] - 1, 0))]))

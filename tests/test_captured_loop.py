@@ -112,6 +112,23 @@ def default_route_run(path: str, steps) -> List[List[Dict[str, torch.Tensor]]]:
     return runs
 
 
+def capture_loop(sim: CudaSim, meta: MTPMetadata, view: Any, cache: PagedKVCache,
+                 x: torch.Tensor) -> Tuple[SimGraph, List[Dict[str, torch.Tensor]]]:
+    """Capture a DEPTHS-depth loop (setup, toy forward, advance) after
+    ``begin_decode_for_capture(P, capture_setup=True)``; returns the graph and the
+    static snapshots every replay refreshes. Ends the forward."""
+    graph = SimGraph()
+    with sim.capture(graph):
+        snaps = []
+        for depth in range(DEPTHS):
+            meta.setup_decode_step(view)
+            out = toy_forward(cache, view, x, depth)
+            meta.advance_decode_step()
+            snaps.append(snapshot(meta, view, cache, out))
+    meta.end_forward()
+    return graph, snaps
+
+
 def captured_run(path: str, steps, seed: int, *, capture_setup_begin: bool = True
                  ) -> Tuple[List[List[Dict[str, torch.Tensor]]], SimGraph, CudaSim]:
     """The captured loop under the simulator: one capture at ``P``, one replay per step
@@ -128,15 +145,7 @@ def captured_run(path: str, steps, seed: int, *, capture_setup_begin: bool = Tru
         sim.synchronize()
         meta.begin_decode_for_capture(P, capture_setup=True)
         syncs = sim.syncs
-        graph = SimGraph()
-        with sim.capture(graph):
-            snaps = []
-            for depth in range(DEPTHS):
-                meta.setup_decode_step(view)
-                out = toy_forward(cache, view, x, depth)
-                meta.advance_decode_step()
-                snaps.append(snapshot(meta, view, cache, out))
-        meta.end_forward()
+        graph, snaps = capture_loop(sim, meta, view, cache, x)
         assert sim.syncs == syncs and graph.pinned_reads == 0
         for n, starts, table, inputs in steps:
             sim.synchronize()
@@ -502,15 +511,7 @@ def lagging_captured_run(steps, disable_fences: bool):
         with sim.bypass():
             x.copy_(steps[0][3])
         meta.begin_decode_for_capture(P, capture_setup=True)
-        graph = SimGraph()
-        with sim.capture(graph):
-            snaps = []
-            for depth in range(DEPTHS):
-                meta.setup_decode_step(view)
-                out = toy_forward(cache, view, x, depth)
-                meta.advance_decode_step()
-                snaps.append(snapshot(meta, view, cache, out))
-        meta.end_forward()
+        graph, snaps = capture_loop(sim, meta, view, cache, x)
         syncs = sim.syncs
         for n, starts, table, _ in steps:
             meta.begin_decode(n, P, starts, table, True, capture_setup=True)
