@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 import mtpmeta.captured as captured_module
 from mtpmeta import VIEW_FIELDS, ContextGPUView, MTPMetadata
-from mtpmeta.captured import ADVANCE_OPS, DEPTH_OPS, CapturedRoute
+from mtpmeta.captured import ADVANCE_OPS, DEPTH_OPS
 from mtpmeta import ForwardModeError, GraphCaptureError, MTPForwardMode, StaleOffsetsError
 from mtpmeta.simulate.config import SimConfig
 from mtpmeta.simulate.paged import PagedKVCache
