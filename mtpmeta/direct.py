@@ -84,7 +84,7 @@ class DirectBackend:
         _, staged, padded_requests, max_len = native.staging.commit_pass(
             counts, *kernel_optional(starts), table, *kernel_optional(inherited),
             padded_tokens, pad_tokens, self.max_requests, min_padded_requests,
-            self.block_size, self.dummy, self._query_lengths, *target.token_arrays,
+            self.block_size, self.dummy, 0, self._query_lengths, *target.token_arrays,
             *target.request_arrays)
         return staged, padded_requests, max_len
 

@@ -39,6 +39,11 @@ data (token maps, lengths, sums) and never a table: ``mha_block_table[:n]`` come
 the persistent device ``block_table`` that ``begin_decode`` filled once per draft loop,
 and its pad rows from a persistent device block of -1, both device-to-device in the
 same ``_foreach_copy_``. So a depth's host work and H2D bytes do not grow with ``W``.
+A commit pass takes the same device-to-device route for the leading rows of its own
+table, ``[:min(P, n)]``, when they equal the rows that draft loop staged (compared on
+the host against ``host_block_table``, and only while torch's version counter of the
+persistent table says nothing wrote it since): a step whose commit pass follows its
+draft loop on one table ships that table once, not twice (``_rows_on_device``).
 The H2D copy is one contiguous byte range: copying strided pinned memory straight into
 the view would make PyTorch stage each non-contiguous H2D copy through a temporary (an
 allocation and a kernel); ``staging_slots`` (default 8) bounds how many staged calls
@@ -108,6 +113,13 @@ class MirrorBackend:
                                         dtype=numpy_dtype(table_dtype))
         self.host_block_table = self._own_block_table
         self.host_offsets_known = True
+        # Rows [:k] of the persistent device table that equal host_block_table[:k]
+        # (begin_decode's host route staged them), and the table's torch version counter
+        # after that write: a commit pass places such rows device-to-device
+        # (_rows_on_device). Inference tensors keep no version counter.
+        self._device_table_rows = 0
+        self._versioned = not buffers.block_table.is_inference()
+        self._table_version = -1
         # Host scratch the fused kernels write lengths into: [R + 1] int32 each.
         self._scratch_q = np.zeros(max_requests + 1, dtype=np.int32)
         self._scratch_kv = np.zeros(max_requests + 1, dtype=np.int32)
@@ -201,21 +213,26 @@ class MirrorBackend:
         return self._slices.get_or_build((name, start, stop), lambda: tensor[start:stop])
 
     def _shadow(self, target: ViewTarget, tokens: int, requests: Optional[int],
-                width: Optional[int] = None):
+                table_rows: Optional[int] = None):
         """Acquire a forward slot; return ``(slot, layout, token_args, request_args)``,
         the last two the slot's numpy fields in the kernels' argument order.
 
-        ``width`` is the shadow's block-table width (default the view's); a draft depth
-        passes 0, so its shadow holds O(padded) data and no table at all.
+        ``table_rows`` is how many block-table rows the shadow holds (default
+        ``requests``, the whole table); a draft depth passes 0, so its shadow holds
+        O(padded) data and no table at all, and a commit pass leaves out the rows it
+        places from the persistent device table.
         """
-        width = target.width if width is None else width
         plans = target.plans
-        key = ("layout", tokens, requests, width)
+        key = ("layout", tokens, requests, table_rows)
         layout = plans.get(key)
         if layout is None:
             dtypes = ViewFields(*(tensor.dtype for tensor in target.fields))
-            layout = PackedLayout.build(view_entries(requests, tokens, width, dtypes),
-                                        align=_ALIGN)
+            entries = view_entries(requests, tokens, target.width, dtypes)
+            if table_rows is not None:
+                entries = tuple((name, dtype, (table_rows, target.width))
+                                if name == "mha_block_table" else (name, dtype, shape)
+                                for name, dtype, shape in entries)
+            layout = PackedLayout.build(entries, align=_ALIGN)
             plans.put(key, layout)
         if layout.nbytes > self._forward_ring.slot_bytes:
             self._grow(layout.nbytes)
@@ -230,7 +247,7 @@ class MirrorBackend:
 
     def _flush(self, target: ViewTarget, slot: int, layout: PackedLayout, tokens: int,
                real_tokens: int, requests: Optional[int], to_lengths: str,
-               lengths_count: int, draft_rows: int = -1) -> None:
+               lengths_count: int, device_rows: int = 0) -> None:
         """Copy the slot's shadow into its device stage (one H2D copy), place it into
         the view with one ``CopyPlan`` (one ``_foreach_copy_`` per dtype group), then
         record the slot's fence (after the last op that reads the slot or its stage).
@@ -238,10 +255,11 @@ class MirrorBackend:
         ``tokens``/``requests`` are the padded extents the shadow holds, ``real_tokens``
         the tokens whose request/position fields are written. ``to_lengths`` names what
         also lands in the persistent length buffers: ``"pair"`` (query and KV,
-        ``lengths_count`` long), ``"query"`` (query only) or ``""``. ``draft_rows >= 0``
-        marks a draft depth: its shadow holds no table, and ``mha_block_table`` takes
-        ``block_table[:draft_rows]`` from the persistent device table and -1 rows up to
-        ``requests``, both device-to-device. The plan is cached on the view.
+        ``lengths_count`` long), ``"query"`` (query only) or ``""``. ``mha_block_table``
+        takes rows ``[:device_rows]`` from the persistent device ``block_table``
+        (device-to-device), the shadow's table rows after them, and -1 rows from a
+        persistent device block for the rest up to ``requests``: a draft depth's shadow
+        holds no table (``device_rows = n``, -1 pad rows). The plan is cached on the view.
         """
         plans = target.plans
         ring = self._forward_ring
@@ -251,20 +269,20 @@ class MirrorBackend:
             ring.device_slots[slot][:nbytes], ring.slots[slot][:nbytes]))
         dst.copy_(src, non_blocking=True)
         key = ("place", generation, slot, layout, tokens, real_tokens, requests, to_lengths,
-               lengths_count, draft_rows)
+               lengths_count, device_rows)
         plan = plans.get(key)
         if plan is None:
             staged = layout.tensors(ring.device_slots[slot])
             plan = CopyPlan(self._placement(target.fields, staged, tokens, real_tokens,
                                             requests, to_lengths, lengths_count,
-                                            draft_rows))
+                                            device_rows))
             plans.put(key, plan)
         plan.run()
         ring.release(slot)
 
     def _placement(self, view, staged, tokens: int, real_tokens: int,
                    requests: Optional[int], to_lengths: str, lengths_count: int,
-                   draft_rows: int) -> List[CopyPair]:
+                   device_rows: int) -> List[CopyPair]:
         """The copies of ``_flush`` as ``(destination, source)`` pairs."""
         # Block and local offset over the padded rows; request, position and pos id
         # over the real ones only (pad rows keep theirs).
@@ -282,15 +300,14 @@ class MirrorBackend:
                        staged.mha_cu_query_seq_lengths),
                       (view.mha_cu_kv_seq_lengths[:requests + 1],
                        staged.mha_cu_kv_seq_lengths)]
-            if draft_rows < 0:
-                pairs.append((view.mha_block_table[:requests], staged.mha_block_table))
-            else:
-                table = view.mha_block_table
-                pairs.append((table[:draft_rows], buffers.block_table[:draft_rows]))
-                pad_rows = requests - draft_rows
-                pairs.append((table[draft_rows:requests],
-                              self._minus_one[:pad_rows * table.shape[1]]
-                              .view(pad_rows, table.shape[1])))
+            table = view.mha_block_table
+            staged_end = device_rows + staged.mha_block_table.shape[0]
+            pad_rows = requests - staged_end
+            pairs += [(table[:device_rows], buffers.block_table[:device_rows]),
+                      (table[device_rows:staged_end], staged.mha_block_table),
+                      (table[staged_end:requests],
+                       self._minus_one[:pad_rows * table.shape[1]]
+                       .view(pad_rows, table.shape[1]))]
         if to_lengths == "pair":
             pairs += [(buffers.query_lengths[:lengths_count],
                        staged.mha_query_lengths[:lengths_count]),
@@ -329,6 +346,7 @@ class MirrorBackend:
             self._prefix("block_table", buffers.block_table, 0, count).copy_(
                 self._prefix(("begin_table", slot), table_t, 0, count), non_blocking=True)
         ring.release(slot)
+        self._note_device_table(count)
         return True
 
     def begin_decode_device(self, count: int, start_positions: Tensor,
@@ -337,6 +355,7 @@ class MirrorBackend:
         self.device_route.begin_decode(count, start_positions, table_src)
         self.buffers.draft_count.fill_(count)  # the device count (contract §12)
         self.host_offsets_known = False
+        self._device_table_rows = 0  # the device table now holds what the host never saw
 
     def begin_decode_for_capture(self, count: int) -> None:
         self.refuse_capture("begin_decode_for_capture")
@@ -347,6 +366,7 @@ class MirrorBackend:
         self._prefix("offsets", self.buffers.offsets, 0, count).zero_()
         self._prefix("block_table", self.buffers.block_table, 0, count).fill_(self.dummy)
         self.buffers.draft_count.fill_(count)  # every row real for the device too
+        self._note_device_table(count)  # rows of D on both sides
 
     def advance_decode_step(self, count: int) -> None:
         self.refuse_capture("advance_decode_step")
@@ -379,7 +399,7 @@ class MirrorBackend:
             self.host_offsets, self.host_block_table, count, padded, self.block_size,
             self.dummy, self._scratch_q, self._scratch_kv, *token_args, *request_args[:4])
         self._flush(target, slot, layout, padded, count, padded, "pair", count,
-                    draft_rows=count)
+                    device_rows=count)
         return max_kv
 
     # --------------------------------------------------------------- commit pass
@@ -407,15 +427,44 @@ class MirrorBackend:
                     inherited: Optional[np.ndarray], padded_tokens: int, pad_tokens: int,
                     min_padded_requests: int, padded_requests: int) -> Tuple[int, int, int]:
         self.refuse_capture("setup_commit_pass")
-        slot, layout, token_args, request_args = self._shadow(target, padded_tokens,
-                                                              padded_requests)
+        device_rows = self._rows_on_device(target, table, counts.shape[0], pad_tokens)
+        slot, layout, token_args, request_args = self._shadow(
+            target, padded_tokens, padded_requests, padded_requests - device_rows)
         total, staged, padded_requests, max_len = native.staging.commit_pass(
             counts, *kernel_optional(starts), table, *kernel_optional(inherited),
             padded_tokens, pad_tokens, self.max_requests, min_padded_requests,
-            self.block_size, self.dummy, self._scratch_q, *token_args, *request_args)
+            self.block_size, self.dummy, device_rows, self._scratch_q, *token_args,
+            *request_args)
         self._flush(target, slot, layout, padded_tokens, total, padded_requests, "query",
-                    staged)
+                    staged, device_rows)
         return staged, padded_requests, max_len
+
+    def _note_device_table(self, count: int) -> None:
+        """The persistent device table's rows ``[:count]`` now equal
+        ``host_block_table[:count]`` (written just now, in stream order)."""
+        self._device_table_rows = count
+        if self._versioned:
+            self._table_version = self.buffers.block_table._version
+
+    def _rows_on_device(self, target: ViewTarget, table: np.ndarray, num_prefill: int,
+                        pad_tokens: int) -> int:
+        """How many leading rows of a commit pass's ``table`` [>= P, W] to place from
+        the persistent device table instead of the shadow: ``k = min(P, n)`` (n the
+        rows the last host-route ``begin_decode`` staged) when every one of them equals
+        the host copy of what the device holds (``rows_match``: compared, never
+        assumed), else 0. The row that absorbs a full batch's pad is cut back by the
+        kernel and never taken. The device table must be unchanged since that write as
+        far as torch's version counter sees; writes that bypass it (``.data``, raw
+        pointers) into the library's persistent buffers are outside the contract.
+        """
+        rows = min(num_prefill, self._device_table_rows)
+        if pad_tokens > 0 and num_prefill == self.max_requests:
+            rows = min(rows, num_prefill - 1)
+        if rows <= 0 or target.width != self.host_block_table.shape[1] or (
+                self._versioned and
+                self.buffers.block_table._version != self._table_version):
+            return 0
+        return rows if native.staging.rows_match(table, self.host_block_table, rows) else 0
 
     # -------------------------------------------------------------------- writers
     def write_token_maps(self, target: ViewTarget, rows: np.ndarray,

@@ -348,16 +348,57 @@ def write_mha_block_table(block_table, num_table_rows, count, padded, dummy,
     >>> write_mha_block_table(np.array([[3, 4]]), 1, 2, 3, 99, table); table.tolist()
     [[3, 4], [99, 99], [-1, -1]]
     """
+    write_mha_block_rows(block_table, num_table_rows, count, padded, dummy, 0,
+                         mha_block_table)
+
+
+@njit(cache=True)
+def write_mha_block_rows(block_table, num_table_rows, count, padded, dummy, first_row,
+                         mha_block_table):
+    """``write_mha_block_table`` for rows ``[first_row, padded)`` only, row ``i`` into
+    ``mha_block_table[i - first_row]``: the rows below ``first_row`` come from elsewhere
+    (the mirror path's persistent device table). W is ``mha_block_table.shape[1]``.
+    block_table: int [>= num_table_rows, >= W]; mha_block_table: [>= padded - first_row, W].
+
+    >>> table = np.zeros((2, 2), np.int32)  # rows 1 and 2 of three
+    >>> write_mha_block_rows(np.array([[3, 4], [5, 6]]), 2, 2, 3, 99, 1, table)
+    >>> table.tolist()
+    [[5, 6], [-1, -1]]
+    """
     width = mha_block_table.shape[1]
-    for i in range(num_table_rows):
+    for i in range(first_row, num_table_rows):
         for col in range(width):
-            mha_block_table[i, col] = block_table[i, col]
-    for i in range(num_table_rows, count):
+            mha_block_table[i - first_row, col] = block_table[i, col]
+    for i in range(max(first_row, num_table_rows), count):
         for col in range(width):
-            mha_block_table[i, col] = dummy
-    for i in range(count, padded):
+            mha_block_table[i - first_row, col] = dummy
+    for i in range(max(first_row, count), padded):
         for col in range(width):
-            mha_block_table[i, col] = -1
+            mha_block_table[i - first_row, col] = -1
+
+
+@njit(cache=True)
+def rows_match(block_table, truth, count):
+    """True when ``block_table[i, c] == truth[i, c]`` (as integers) for every row
+    ``i < count`` and column ``c < W = truth.shape[1]``: the mirror path's test that the
+    persistent device table, whose host copy is ``truth``, already holds those rows.
+    Scans a row branch-free, so a mismatch stops the scan at the end of its row.
+    block_table: int [>= count, >= W]; truth: int [>= count, W].
+
+    >>> truth = np.array([[3, 4], [5, 6]], np.int32)
+    >>> rows_match(np.array([[3, 4], [5, 7]]), truth, 1), rows_match(truth, truth, 2)
+    (True, True)
+    >>> rows_match(np.array([[3, 4], [5, 7]]), truth, 2)
+    False
+    """
+    width = truth.shape[1]
+    for i in range(count):
+        differs = np.int64(0)
+        for col in range(width):
+            differs |= np.int64(block_table[i, col]) ^ np.int64(truth[i, col])
+        if differs != 0:
+            return False
+    return True
 
 
 @njit(cache=True)
@@ -482,16 +523,19 @@ def dummy_past_span(mha_block_table, row, span_end, block_size, dummy):
 @njit(cache=True)
 def commit_pass(counts, starts, has_starts, block_table, inherited, has_inherited,
                 padded_tokens, pad_tokens, max_requests, min_padded_requests, block_size,
-                dummy, lengths, pos_ids, block_idx, local_pos, request_idx,
-                position_in_request, mha_query_lengths, mha_kv_seq_lengths, mha_cu_query_seq_lengths,
-                mha_cu_kv_seq_lengths, mha_block_table):
+                dummy, first_table_row, lengths, pos_ids, block_idx, local_pos, request_idx,
+                position_in_request, mha_query_lengths, mha_kv_seq_lengths,
+                mha_cu_query_seq_lengths, mha_cu_kv_seq_lengths, mha_block_table):
     """A whole varlen commit pass in one call; returns ``(T, m, padded_requests, max_len)``.
 
     Token maps as ``write_commit_token_maps``; lengths as ``stage_prefill_lengths`` into
     ``lengths`` (``m`` = P or P + 1); MHA metadata with ``lengths`` as both query and KV
     over ``max(min_padded_requests, m)`` slots, block rows ``< P`` from ``block_table``.
     When request ``P - 1`` absorbs the pad (``m == P``, ``pad_tokens > 0``) its block row
-    is then cut back with ``dummy_past_span``.
+    is then cut back with ``dummy_past_span``. Block rows below ``first_table_row`` are
+    not written and ``mha_block_table`` holds rows from ``first_table_row`` on
+    (``write_mha_block_rows``); the caller keeps ``first_table_row <= P - 1`` when the
+    last request absorbs the pad, and ``0`` means every row.
     """
     num_prefill = counts.shape[0]
     total = write_commit_token_maps(counts, starts, has_starts, block_table, inherited,
@@ -500,13 +544,14 @@ def commit_pass(counts, starts, has_starts, block_table, inherited, has_inherite
                                     position_in_request)
     staged = stage_prefill_lengths(counts, pad_tokens, max_requests, lengths)
     padded_requests = min_padded_requests if min_padded_requests > staged else staged
-    max_len, _ = write_mha_metadata(lengths, lengths, staged, block_table, num_prefill,
-                                    padded_requests, dummy, mha_query_lengths,
-                                    mha_kv_seq_lengths, mha_cu_query_seq_lengths,
-                                    mha_cu_kv_seq_lengths, mha_block_table)
+    max_len, _ = write_mha_lengths(lengths, lengths, staged, padded_requests,
+                                   mha_query_lengths, mha_kv_seq_lengths,
+                                   mha_cu_query_seq_lengths, mha_cu_kv_seq_lengths)
+    write_mha_block_rows(block_table, num_prefill, staged, padded_requests, dummy,
+                         first_table_row, mha_block_table)
     if pad_tokens > 0 and staged == num_prefill:
         last = num_prefill - 1
         start = np.int64(starts[last]) if has_starts else np.int64(0)
-        dummy_past_span(mha_block_table, last, start + counts[last], block_size, dummy)
+        dummy_past_span(mha_block_table, last - first_table_row, start + counts[last],
+                        block_size, dummy)
     return total, staged, padded_requests, max_len
-

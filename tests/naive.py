@@ -300,9 +300,12 @@ def decode_step(offsets: np.ndarray, block_table: np.ndarray, count: int, padded
 def commit_pass(counts: np.ndarray, starts: Optional[np.ndarray], block_table: np.ndarray,
                 inherited: Optional[np.ndarray], padded_tokens: int, pad_tokens: int,
                 max_requests: int, min_padded_requests: int, block_size: int, dummy: int,
-                lengths: np.ndarray, kernel_outputs: Sequence[np.ndarray]
+                lengths: np.ndarray, kernel_outputs: Sequence[np.ndarray],
+                first_table_row: int = 0
                 ) -> Tuple[Tuple[int, int, int, int], np.ndarray, Arrays]:
-    """``((T, m, padded_requests, max_len), lengths, the ten view outputs)``."""
+    """``((T, m, padded_requests, max_len), lengths, the ten view outputs)``; with
+    ``first_table_row`` the table output holds the full table's rows from there on,
+    shifted to row 0, and nothing else changes in it."""
     rows, positions = commit_rows_positions(counts, starts)
     protected = None if inherited is None else inherited[:len(counts)]
     tokens = token_maps(rows, positions, block_table, protected, padded_tokens,
@@ -316,4 +319,15 @@ def commit_pass(counts: np.ndarray, starts: Optional[np.ndarray], block_table: n
         span_end = int(counts[last]) + (0 if starts is None else int(starts[last]))
         first_unwritten = -(-span_end // block_size)
         mha[-1][last, first_unwritten:] = dummy
+    if first_table_row:
+        shifted = kernel_outputs[-1].copy()
+        kept = padded_requests - first_table_row
+        shifted[:kept] = mha[-1][first_table_row:padded_requests]
+        mha[-1] = shifted
     return (len(rows), staged, padded_requests, max_len), lengths, tokens + mha
+
+
+def rows_match(block_table: np.ndarray, truth: np.ndarray, count: int) -> bool:
+    width = truth.shape[1]
+    return bool(np.array_equal(block_table[:count, :width].astype(np.int64),
+                               truth[:count].astype(np.int64)))

@@ -469,9 +469,10 @@ def test_write_mha_metadata_matches_naive(rng):
 @pytest.mark.parametrize("has_starts,has_inherited", [(False, False), (True, True)])
 def test_commit_pass_matches_naive(has_starts, has_inherited, rng):
     """The fused commit pass: token maps, lengths with the pad absorbed, MHA metadata
-    over ``max(min_padded_requests, m)`` slots. Any field off against the composed
-    naive steps is a KV write or read in the wrong place."""
-    full_batches = 0
+    over ``max(min_padded_requests, m)`` slots, table rows from ``first_table_row`` on.
+    Any field off against the composed naive steps is a KV write or read in the wrong
+    place."""
+    full_batches = shifted = 0
     for _ in range(CASES):
         num_rows, width, block_size = geometry(rng)
         counts, starts, inherited = valid_commit(rng, num_rows, width, block_size)
@@ -483,19 +484,45 @@ def test_commit_pass_matches_naive(has_starts, has_inherited, rng):
         table = block_table(rng, num_rows, width)
         lengths = garbage(rng, num_rows + 1, np.int32)
         view = token_outputs(rng, padded_tokens + 2) + mha_outputs(rng, slots + 1, width)
+        absorbs = num_prefill == num_rows and pad_tokens > 0
+        # Rows placed from elsewhere (the mirror path's device table): never the row
+        # that absorbs the pad.
+        first_row = int(rng.integers(0, max(num_prefill - absorbs, 0) + 1))
         want_result, want_lengths, want_view = naive.commit_pass(
             counts, starts if has_starts else None, table,
             inherited if has_inherited else None, padded_tokens, pad_tokens, num_rows,
-            min_padded, block_size, DUMMY, lengths, view)
+            min_padded, block_size, DUMMY, lengths, view, first_row)
         got_result = native.staging.commit_pass(
             counts, starts if has_starts else np.zeros(1, np.int64), has_starts, table,
             inherited if has_inherited else np.zeros(1, np.int64), has_inherited,
-            padded_tokens, pad_tokens, num_rows, min_padded, block_size, DUMMY, lengths,
-            *view)
+            padded_tokens, pad_tokens, num_rows, min_padded, block_size, DUMMY, first_row,
+            lengths, *view)
         assert got_result == want_result
         assert_same([lengths] + view, [want_lengths] + want_view)
-        full_batches += num_prefill == num_rows and pad_tokens > 0
-    assert full_batches
+        full_batches += absorbs
+        shifted += first_row > 0 and absorbs
+    assert full_batches and shifted
+
+
+def test_rows_match_matches_naive(rng):
+    """The mirror path places a commit's leading table rows from the device copy only
+    when this says every entry of them equals the host copy; a miss in any column
+    (including the last, or of a wider dtype's high bits) is a wrong block read."""
+    matches = 0
+    for _ in range(4 * CASES):
+        num_rows, width, _ = geometry(rng)
+        truth = block_table(rng, num_rows, width).astype(np.int32)
+        table = np.concatenate([truth, rng.integers(0, 500, (num_rows, 2))], axis=1)
+        table = table.astype(INDEX_DTYPES[int(rng.integers(2))])
+        if rng.random() < 0.6:
+            row, col = int(rng.integers(num_rows)), int(rng.integers(width))
+            table[row, col] += (1 << 32) if table.dtype == np.int64 and rng.random() < .5 \
+                else 1
+        count = int(rng.integers(0, num_rows + 1))
+        want = naive.rows_match(table, truth, count)
+        assert native.staging.rows_match(table, truth, count) is want
+        matches += want
+    assert 0 < matches < 4 * CASES
 
 
 # ------------------------------------------------------------------- docstring examples

@@ -34,7 +34,8 @@ import torch
 
 from ..layout import round_up
 
-__all__ = ["StepConfig", "StepInputs", "make_steps", "run_step", "run_step_groups"]
+__all__ = ["StepConfig", "StepInputs", "make_steps", "run_step", "run_step_commit_first",
+           "run_step_groups"]
 
 
 @dataclass(frozen=True)
@@ -197,6 +198,17 @@ def run_step(meta: Any, view: Any, inputs: StepInputs, config: StepConfig) -> No
     run_carry(meta, inputs)
     run_draft(meta, view, inputs, config)
     run_commit(meta, view, inputs)
+
+
+def run_step_commit_first(meta: Any, view: Any, inputs: StepInputs,
+                          config: StepConfig) -> None:
+    """The standard step with the commit pass before the draft loop (an engine that
+    commits the accepted tokens first): the commit follows the previous step's draft
+    loop, on another table."""
+    run_rows(meta, inputs)
+    run_carry(meta, inputs)
+    run_commit(meta, view, inputs)
+    run_draft(meta, view, inputs, config)
 
 
 #: The method groups the bench reports separately, in step order.
