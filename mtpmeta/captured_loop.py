@@ -8,13 +8,24 @@ A mixin of ``MTPMetadata``: the public methods (``begin_decode``,
 takes the captured route; set by a ``capture_setup=True`` begin, cleared by any other
 begin and by ``end_forward``) and ``_offsets_stale`` (a captured depth or advance ran
 since the last begin: the host copy of the offsets is not the truth).
+
+Block ids: a replayed graph runs no host code, so its depths cannot refuse an id that
+its view's ``token_to_block_idx`` or ``mha_block_table`` cannot hold (a narrower dtype
+than ``block_table_dtype``: the copy would wrap it into another block). Two host
+checks stand in: every captured depth records the ids its view holds
+(``_captured_ids``, the narrowest range seen), and every later host-input
+``begin_decode(..., capture_setup=True)`` refuses a table entry outside it; a depth on
+a view narrower than what its loop's begin checked scans that loop's host table first
+(``_loop_ids``). Device-input begins are not value-checked (that would be a sync).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Tuple
 
-from .checks import raise_position_error
+import numpy as np
+
+from .checks import check_rows_fit, raise_position_error
 from .errors import StaleOffsetsError
 from .gpu_view import ViewTarget
 from .types import ForwardRecord, ForwardShape
@@ -31,21 +42,51 @@ class CapturedLoop:
         ``offsets[:n]``, ``block_table[:n]`` and the device count, then enter DRAFT."""
         if on_device:  # mirror path only: copied on the device, count by a device fill
             backend.begin_decode_device(count, starts, table)
-        elif not backend.begin_decode(count, starts, table):  # the default staging,
-            # which also stages the device count (captured.stage_count)
-            raise_position_error(self._geometry, "start_positions", starts, count)
+        else:
+            ids = self._captured_ids  # before anything is written
+            if ids != self._geometry.table_range:
+                check_rows_fit(table, count, ids, "block_table_src",
+                               "the dtype of a view a captured depth wrote",
+                               _range_name(ids))
+            if not backend.begin_decode(count, starts, table):  # the default staging,
+                # which also stages the device count (captured.stage_count)
+                raise_position_error(self._geometry, "start_positions", starts, count)
         self._enter_checked(count, padded, True)
         self._capture_setup = True
+        self._loop_ids = None if on_device else self._captured_ids
 
     def _begin_captured_for_capture(self, padded: int) -> None:
         """``begin_decode_for_capture(p, capture_setup=True)`` after the default
         scratch fill: every one of the ``p`` rows is real for the device too."""
         self._enter_checked(padded, padded, True)  # the backend set the device count
         self._capture_setup = True
+        self._loop_ids = None  # rows of D, which every accepted view holds
+
+    def _check_captured_ids(self, target: ViewTarget) -> None:
+        """Narrow ``_captured_ids`` to what ``target`` holds and, when that is less
+        than this loop's host table was checked against, scan the table's rows
+        ``[:n]`` now (a ValueError before any device op)."""
+        token_low, token_high = target.token_block_range
+        table_low, table_high = target.table_block_range
+        low, high = self._captured_ids
+        self._captured_ids = (max(low, token_low, table_low),
+                              min(high, token_high, table_high))
+        loop = self._loop_ids
+        if loop is not None and (max(token_low, table_low) > loop[0] or
+                                 min(token_high, table_high) < loop[1]):
+            ids = (max(loop[0], token_low, table_low), min(loop[1], token_high, table_high))
+            check_rows_fit(self._backend.host_block_table, self.active_request_count, ids,
+                           "block_table (the draft loop's, from begin_decode)",
+                           "gpu_view's token_to_block_idx / mha_block_table",
+                           _range_name(ids))
+            self._loop_ids = ids
 
     def _captured_step(self, target: ViewTarget, gpu_view: Any) -> ForwardShape:
         """One captured depth: device ops only; the graphed ``ForwardShape`` of §10."""
         count, padded = self.active_request_count, self.padded_count
+        if target.token_block_range != self._captured_ids or \
+                target.table_block_range != self._captured_ids:
+            self._check_captured_ids(target)
         self._captured.decode_step(target, padded)
         self._offsets_stale = True
         record = self._decode_record
@@ -70,3 +111,12 @@ class CapturedLoop:
             "begin_decode, so the device advanced the offsets without the host and the "
             "host's copy of them is stale; call begin_decode (or "
             "begin_decode_for_capture) first")
+
+
+def _range_name(ids: Tuple[int, int]) -> str:
+    """How the messages name a range of ids: the integer dtype it is, if any."""
+    for name in ("int8", "int16", "int32", "int64"):
+        info = np.iinfo(name)
+        if (int(info.min), int(info.max)) == ids:
+            return f"torch.{name}"
+    return f"[{ids[0]}, {ids[1]}]"

@@ -388,11 +388,13 @@ class MTPMetadata(MetadataState, CapturedLoop):
         kernel's launch bounds never change), else the largest KV length (at least 1),
         or None after ``begin_decode`` got device-tensor start positions.
 
-        On the mirror path every depth, eager or graphed, reads the host copy of the
-        offsets and block table that ``begin_decode`` staged (and
-        ``advance_decode_step`` keeps), so an in-place edit of ``active_offsets`` / ``active_block_table`` does not reach it;
-        call ``begin_decode`` again instead. The direct path reads the buffers and
-        sees such an edit.
+        On the mirror path every depth, eager or graphed, computes its token maps and
+        lengths from the host copy of the offsets and block table that
+        ``begin_decode`` staged (and ``advance_decode_step`` keeps), and copies its
+        ``mha_block_table`` rows from the device ``block_table``: an in-place edit of
+        ``active_offsets`` / ``active_block_table`` reaches the second and not the
+        first, so do not edit them; call ``begin_decode`` again instead. The direct
+        path reads the buffers for both.
 
         In a captured loop (``capture_setup=True``, contract §12) the depth is device ops
         only on both paths (``mtpmeta.captured``), legal inside a CUDA graph capture:

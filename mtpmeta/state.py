@@ -119,6 +119,10 @@ class MetadataState:
         self._unchecked_table: Optional[Tuple[Tensor, int]] = None
         self._captured = None  # CapturedRoute of the allocation (mtpmeta.captured)
         self._capture_setup = self._offsets_stale = False  # mtpmeta.captured_loop
+        # mtpmeta.captured_loop: the block ids every view a captured depth ran on holds,
+        # and those the current captured loop's host table is known to fit.
+        self._captured_ids: Optional[Tuple[int, int]] = None
+        self._loop_ids: Optional[Tuple[int, int]] = None
 
     def _allocation(self, device: torch.device, mirror: bool, max_tokens: int,
                     staging_slots: int) -> Tuple[PersistentBuffers, Backend, Geometry]:
@@ -157,6 +161,8 @@ class MetadataState:
         self._captured = None if buffers is None else CapturedRoute(
             buffers, block_size=self.block_size_tokens, dummy=self.dummy_block_idx)
         self._capture_setup = self._offsets_stale = False
+        self._captured_ids = None if geometry is None else geometry.table_range
+        self._loop_ids = None
         self.active_offsets = self.active_block_table = self._active_lengths = None
         self.last_forward = self._unchecked_table = None
         self._forward_mode = MTPForwardMode.NONE

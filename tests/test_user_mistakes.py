@@ -123,6 +123,55 @@ def test_draft_depth_with_wide_ids_into_a_wide_view_writes_them(path):
     assert view.mha_block_table[:2].tolist() == table[:2].tolist()
 
 
+def test_captured_begin_refuses_ids_a_captured_views_dtype_cannot_hold(path):
+    """A graph captured with ``capture_setup=True`` replays no host code, so no depth can
+    refuse ``2**33 + 7`` for an int32 view at replay: the copy would write 7, another
+    request's block. Once a captured depth has run on that view, a later captured
+    ``begin_decode`` refuses it (int64 ``block_table_dtype`` holds it), changing
+    nothing; an id that fits is still accepted."""
+    meta = make_metadata(path, block_table_dtype=torch.int64)
+    view = make_view("context")
+    meta.begin_decode_for_capture(3, capture_setup=True)
+    meta.setup_decode_step(view)  # the depth a graph would capture
+    meta.end_forward()
+    _refused(meta, [view], lambda: meta.begin_decode(
+        2, 3, [0, 5], _with(2**33 + 7, 1, 4), False, capture_setup=True), ValueError,
+        r"block_table_src: block id 8589934599 at \[1, 4\] does not fit the dtype of a "
+        r"view a captured depth wrote torch.int32")
+    meta.begin_decode(2, 3, [0, 5], _with(2**31 - 1, 1, 4), False, capture_setup=True)
+    meta.setup_decode_step(view)
+    assert view.mha_block_table[1, 4].item() == 2**31 - 1
+
+
+def test_captured_depth_refuses_ids_its_view_cannot_hold_before_any_write(path):
+    """The first captured depth on a narrower view than its loop's begin checked scans
+    that loop's table first: a ValueError before any device op, whatever column holds
+    the id."""
+    meta = make_metadata(path, block_table_dtype=torch.int64)
+    view = make_view("context")
+    meta.begin_decode(2, 3, [0, 5], _with(2**33 + 7, 0, 3), False, capture_setup=True)
+    _refused(meta, [view], lambda: meta.setup_decode_step(view), ValueError,
+             r"block_table \(the draft loop's, from begin_decode\): block id 8589934599 at "
+             r"\[0, 3\] does not fit gpu_view's token_to_block_idx / mha_block_table "
+             r"torch.int32")
+
+
+def test_captured_loop_on_a_wide_view_keeps_wide_ids(path):
+    """Positive control: int64 view fields hold ``2**33 + 7``; the captured route
+    writes it and a later captured begin accepts it."""
+    meta = make_metadata(path, block_table_dtype=torch.int64)
+    view = make_view("context")
+    view.token_to_block_idx = torch.zeros(16, dtype=torch.int64)
+    view.mha_block_table = torch.zeros((R, W), dtype=torch.int64)
+    table = _with(2**33 + 7, 1, 1)
+    for _ in range(2):
+        meta.begin_decode(2, 3, [0, 5], table, False, capture_setup=True)
+        meta.setup_decode_step(view)
+        meta.end_forward()
+    assert view.token_to_block_idx[:2].tolist() == [10, 2**33 + 7]
+    assert view.mha_block_table[:2].tolist() == table[:2].tolist()
+
+
 @pytest.mark.parametrize("view_kind", ["context", "upstream"])
 def test_commit_pass_refuses_block_ids_that_do_not_fit_the_view(path, view_kind):
     """``2**32 + 3`` in a column the pass writes used to become
