@@ -13,7 +13,7 @@ whether the device copy was taken.
 from __future__ import annotations
 
 import os
-from typing import Any, Optional, Tuple
+from typing import Optional, Tuple
 
 import numpy as np
 import pytest

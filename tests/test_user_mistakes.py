@@ -20,7 +20,6 @@ import torch
 
 from mtpmeta import ContextGPUView, ForwardModeError, InvariantError, MTPForwardMode, \
     MTPMetadata
-from mtpmeta.reference import ReferenceGPUView
 from tests.helpers import (assert_same_state, assert_views_equal, buffer_state, config,
                            make_metadata, make_reference, make_view, view_state)
 
