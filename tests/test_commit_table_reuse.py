@@ -31,7 +31,7 @@ from tests.test_cuda_sim import (assert_no_hidden_copies, host, make_sim,  # noq
                                  new_pair)
 from tests.upstream_view import UpstreamLayoutView
 
-pytestmark = pytest.mark.skipif(
+under_sim = pytest.mark.skipif(
     os.environ.get("MTPMETA_DEBUG") == "1",
     reason="MTPMETA_DEBUG's .numpy() reads bypass the simulated device")
 
@@ -188,6 +188,7 @@ def upload(sim: CudaSim, array: np.ndarray) -> torch.Tensor:
     return out
 
 
+@under_sim
 def test_a_device_input_begin_turns_the_device_copy_off(make_sim):
     """A host-route begin on T, then a device-input begin on X (the device table now
     holds X, which the host never saw), then a commit on T: the commit must write T's
@@ -257,6 +258,7 @@ def commits_between_begins_on_two_streams(sim: CudaSim, seed: int):
     return sum(not torch.equal(got, want) for got, want in results)
 
 
+@under_sim
 @pytest.mark.parametrize("seed", range(4))
 def test_device_rows_are_read_before_the_next_begin_overwrites_them(make_sim, seed):
     """The commit's device-to-device read of the draft table is stream-ordered before
@@ -264,6 +266,7 @@ def test_device_rows_are_read_before_the_next_begin_overwrites_them(make_sim, se
     assert commits_between_begins_on_two_streams(make_sim(seed, idle=0.9), seed) == 0
 
 
+@under_sim
 def test_unordered_streams_let_the_next_begin_overwrite_the_rows_read(make_sim,
                                                                       monkeypatch):
     """Negative control: with the cross-stream ordering of the persistent buffers

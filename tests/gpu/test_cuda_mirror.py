@@ -12,6 +12,7 @@ in ``test_cuda_host_ahead.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import textwrap
@@ -296,3 +297,34 @@ def test_commit_pass_device_block_table_is_the_documented_sync():
             meta.setup_commit_pass(view, counts, device_table)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_commit_pass_takes_the_draft_loop_rows_device_to_device():
+    """On CUDA: a commit pass after a draft loop on the same table takes rows ``[:n]``
+    from the persistent device table (``n * W`` ids fewer host-to-device bytes than
+    the same commit on a table that differs in one entry), and both views are the
+    reference's."""
+    from mtpmeta.bench.h2d import H2DCounter, StagingRecorder
+
+    recorder = StagingRecorder()
+    meta, view = _gpu(recorder)
+    ref = ReferenceMTPMetadata(**CONFIG.metadata_kwargs())
+    ref.allocate(CUDA)
+    ref_view = ReferenceGPUView(R, TOKENS, W, CUDA)
+    inputs = make_steps(CONFIG, 1, seed=13)[0]
+    changed = inputs.block_table.clone()
+    changed[0, 0] += 1
+    nbytes = []
+    for table in (inputs.block_table, changed):
+        step = dataclasses.replace(inputs, block_table=table)
+        for obj, obj_view in ((meta, view), (ref, ref_view)):
+            obj.begin_decode(CONFIG.active, CONFIG.active, inputs.start_positions,
+                             inputs.block_table, False)
+            obj.setup_decode_step(obj_view)
+            obj.end_forward()
+        with H2DCounter(recorder) as counter:
+            run_commit(meta, view, step)
+        run_commit(ref, ref_view, step)
+        _assert_views_equal(view, ref_view)
+        nbytes.append(counter.nbytes)
+    assert nbytes[1] - nbytes[0] == CONFIG.active * W * 4
