@@ -29,6 +29,9 @@ WIDTHS = (128, 512, 2048, 8192)
 PATHS = ("mirror", "direct", "reference")
 
 
+WARM_DEPTHS = 9  # more than the forward ring's default 8 slots, each with its own plan
+
+
 def width_config(width: int, active: int = 256):
     """The standard step at ``active`` requests (R = active + 64) and width ``width``."""
     from .workload import StepConfig
@@ -73,12 +76,15 @@ def _depth_runs(widths: Sequence[int], active: int, depths: int):
 def depth_regions(region: Callable[[str, Callable[[], None]], None], widths: List[int],
                   active: int, calls: int) -> None:
     """Child side of the callgrind run: one region per (path, W) of ``calls`` depths of
-    one draft loop (begun outside the region; positions stay inside the table)."""
+    one draft loop (begun outside the region; positions stay inside the table). Before
+    each region a loop of ``WARM_DEPTHS`` depths builds the copy plan of every staging
+    slot: a plan built inside one region only would be charged to that width alone
+    (``region`` keeps the garbage collector out the same way)."""
     torch.set_num_threads(1)
     runs = _depth_runs(widths, active, 3)
     for (path, width), (begin, depth, meta) in runs.items():
         begin()
-        for _ in range(2):
+        for _ in range(WARM_DEPTHS):
             depth()
         begin()
         region(f"{path} W={width}", lambda depth=depth: [depth() for _ in range(calls)])
