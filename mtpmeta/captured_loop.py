@@ -66,15 +66,13 @@ class CapturedLoop:
         """Narrow ``_captured_ids`` to what ``target`` holds and, when that is less
         than this loop's host table was checked against, scan the table's rows
         ``[:n]`` now (a ValueError before any device op)."""
-        token_low, token_high = target.token_block_range
-        table_low, table_high = target.table_block_range
+        view_low = max(target.token_block_range[0], target.table_block_range[0])
+        view_high = min(target.token_block_range[1], target.table_block_range[1])
         low, high = self._captured_ids
-        self._captured_ids = (max(low, token_low, table_low),
-                              min(high, token_high, table_high))
+        self._captured_ids = (max(low, view_low), min(high, view_high))
         loop = self._loop_ids
-        if loop is not None and (max(token_low, table_low) > loop[0] or
-                                 min(token_high, table_high) < loop[1]):
-            ids = (max(loop[0], token_low, table_low), min(loop[1], token_high, table_high))
+        if loop is not None and (view_low > loop[0] or view_high < loop[1]):
+            ids = (max(loop[0], view_low), min(loop[1], view_high))
             check_rows_fit(self._backend.host_block_table, self.active_request_count, ids,
                            "block_table (the draft loop's, from begin_decode)",
                            "gpu_view's token_to_block_idx / mha_block_table",
