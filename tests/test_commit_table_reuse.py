@@ -29,6 +29,7 @@ from tests.cuda_sim import CudaSim
 from tests.helpers import assert_views_equal, config
 from tests.test_cuda_sim import (assert_no_hidden_copies, host, make_sim,  # noqa: F401
                                  new_pair)
+from tests.test_sim_hazards import upload
 from tests.upstream_view import UpstreamLayoutView
 
 under_sim = pytest.mark.skipif(
@@ -181,13 +182,6 @@ def test_capture_begin_rows_of_dummy_are_device_rows_too():
 
 
 # --------------------------------------------------------- under CUDA semantics
-def upload(sim: CudaSim, array: np.ndarray) -> torch.Tensor:
-    values = torch.as_tensor(np.ascontiguousarray(array))
-    out = torch.empty(values.shape, dtype=values.dtype)
-    out.copy_(values)
-    return out
-
-
 @under_sim
 def test_a_device_input_begin_turns_the_device_copy_off(make_sim):
     """A host-route begin on T, then a device-input begin on X (the device table now
