@@ -41,7 +41,7 @@ from torch import Tensor
 from .buffers import PersistentBuffers
 from .cache import BoundedCache
 from .gpu_view import ViewTarget
-from .mirror_device import write_lengths_and_table
+from .mirror_device import draft_scratch, write_lengths_and_table
 
 __all__ = ["CapturedRoute", "stage_count", "mark_pad_rows", "DEPTH_OPS", "ADVANCE_OPS"]
 
@@ -114,15 +114,11 @@ class CapturedRoute:
         self.buffers = buffers
         self.block_size = block_size
         self.dummy = dummy
-        requests, width = buffers.block_table.shape
-        self.width = width
-        device = buffers.offsets.device
+        self.width = buffers.block_table.shape[1]
         self.count = buffers.draft_count  # [1] int32: n, just before offsets
-        # [3, R] bool: pad rows, outside rows, columns past the table.
-        self._masks = torch.zeros((3, requests), dtype=torch.bool, device=device)
-        self._columns = torch.zeros(requests, dtype=torch.int64, device=device)  # [R]
-        self._gathered = torch.zeros((requests, 1), dtype=buffers.block_table.dtype,
-                                     device=device)  # [R, 1]
+        # [R] int64 columns; [3, R] bool: pad rows, outside rows, columns past the
+        # table; [R, 1] gathered blocks.
+        self._columns, self._masks, self._gathered = draft_scratch(buffers, 3)
         self._lengths_plans = BoundedCache(256)  # p -> _LengthViews
 
     # ------------------------------------------------------------- draft loop

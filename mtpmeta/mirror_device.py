@@ -20,7 +20,7 @@ call even when it allocated it on another stream.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -29,7 +29,19 @@ from .buffers import PersistentBuffers
 from .gpu_view import ViewTarget
 from .runtime import get_runtime
 
-__all__ = ["write_lengths_and_table", "DeviceRoute"]
+__all__ = ["write_lengths_and_table", "draft_scratch", "DeviceRoute"]
+
+
+def draft_scratch(buffers: PersistentBuffers,
+                  masks: int) -> Tuple[Tensor, Tensor, Tensor]:
+    """Fixed-address scratch of a device-op draft depth over up to ``R`` rows:
+    ``(columns [R] int64, masks [masks, R] bool, gathered [R, 1] of the table dtype)``,
+    zero-filled on the buffers' device (allocated once, at construction)."""
+    requests = buffers.block_table.shape[0]
+    device = buffers.offsets.device
+    return (torch.zeros(requests, dtype=torch.int64, device=device),
+            torch.zeros((masks, requests), dtype=torch.bool, device=device),
+            torch.zeros((requests, 1), dtype=buffers.block_table.dtype, device=device))
 
 
 def write_lengths_and_table(fields: Any, v: Any) -> None:
@@ -85,15 +97,11 @@ class DeviceRoute:
         self.buffers = buffers
         self.block_size = block_size
         self.dummy = dummy
-        requests, width = buffers.block_table.shape
-        self.width = width
-        device = buffers.offsets.device
-        self.device = device
-        # Draft-depth scratch: [R] int64 columns, [R] bool x2, [R, 1] gathered blocks.
-        self._columns = torch.zeros(requests, dtype=torch.int64, device=device)
-        self._outside = torch.zeros((2, requests), dtype=torch.bool, device=device)
-        self._gathered = torch.zeros((requests, 1), dtype=buffers.block_table.dtype,
-                                     device=device)
+        self.width = buffers.block_table.shape[1]
+        self.device = buffers.offsets.device
+        # Draft-depth scratch: [R] int64 columns, [2, R] bool (outside, past the table),
+        # [R, 1] gathered blocks.
+        self._columns, self._outside, self._gathered = draft_scratch(buffers, 2)
 
     def _in_use(self, *tensors: Optional[Tensor]) -> None:
         """Tell the caching allocator the current stream reads these caller tensors."""
