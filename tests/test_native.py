@@ -247,21 +247,28 @@ def test_draft_loop_kernels_match_naive(rng):
     assert accepted and refused
 
 
+def decode_case(rng: np.random.Generator):
+    """``(offsets, table, count, padded, block_size, q, kv, view)`` of a random draft
+    depth: about one case in five has an offset past the table or a negative one."""
+    num_rows, width, block_size = geometry(rng)
+    count = int(rng.integers(0, num_rows + 1))
+    padded = count + int(rng.integers(0, 3))
+    high = width * block_size + (1 if rng.random() < 0.2 else 0)
+    offsets = rng.integers(-1 if rng.random() < 0.2 else 0, high,
+                           num_rows).astype(np.int32)
+    table = block_table(rng, num_rows, width)
+    q, kv = garbage(rng, num_rows, np.int32), garbage(rng, num_rows, np.int32)
+    view = token_outputs(rng, padded + 2) + mha_outputs(rng, padded + 1, width)
+    return offsets, table, count, padded, block_size, q, kv, view
+
+
 def test_decode_step_matches_naive_and_refuses_offsets_past_the_table(rng):
     """decode_step fuses the token maps, the decode lengths and the MHA metadata: a
     draft token written to the wrong block or slot, a pad token left writing real KV,
     or a partial write before an offset past the table is caught would corrupt KV."""
     accepted = refused = 0
     for _ in range(CASES):
-        num_rows, width, block_size = geometry(rng)
-        count = int(rng.integers(0, num_rows + 1))
-        padded = count + int(rng.integers(0, 3))
-        high = width * block_size + (1 if rng.random() < 0.2 else 0)
-        offsets = rng.integers(-1 if rng.random() < 0.2 else 0, high,
-                               num_rows).astype(np.int32)
-        table = block_table(rng, num_rows, width)
-        q, kv = garbage(rng, num_rows, np.int32), garbage(rng, num_rows, np.int32)
-        view = token_outputs(rng, padded + 2) + mha_outputs(rng, padded + 1, width)
+        offsets, table, count, padded, block_size, q, kv, view = decode_case(rng)
         want_max, want_q, want_kv, want_view = naive.decode_step(
             offsets, table, count, padded, block_size, DUMMY, q, kv, view)
         got_max = native.staging.decode_step(offsets, table, count, padded, block_size,
@@ -280,15 +287,7 @@ def test_decode_step_maps_equals_decode_step_without_touching_a_table(rng):
     [padded, W] table back into every depth's pinned staging."""
     accepted = refused = 0
     for _ in range(CASES):
-        num_rows, width, block_size = geometry(rng)
-        count = int(rng.integers(0, num_rows + 1))
-        padded = count + int(rng.integers(0, 3))
-        high = width * block_size + (1 if rng.random() < 0.2 else 0)
-        offsets = rng.integers(-1 if rng.random() < 0.2 else 0, high,
-                               num_rows).astype(np.int32)
-        table = block_table(rng, num_rows, width)
-        q, kv = garbage(rng, num_rows, np.int32), garbage(rng, num_rows, np.int32)
-        view = token_outputs(rng, padded + 2) + mha_outputs(rng, padded + 1, width)
+        offsets, table, count, padded, block_size, q, kv, view = decode_case(rng)
         want_max, want_q, want_kv, want_view = naive.decode_step(
             offsets, table, count, padded, block_size, DUMMY, q, kv, view)
         table_before = view[9].copy()
