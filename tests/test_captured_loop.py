@@ -101,15 +101,22 @@ def default_route_run(path: str, steps) -> List[List[Dict[str, torch.Tensor]]]:
     for n, starts, table, inputs in steps:
         x.copy_(inputs)
         meta.begin_decode(n, P, starts, table, True)
-        depths = []
-        for depth in range(DEPTHS):
-            meta.setup_decode_step(view)
-            out = toy_forward(cache, view, x, depth)
-            meta.advance_decode_step()
-            depths.append(snapshot(meta, view, cache, out))
+        runs.append(run_depths(meta, view, cache, x))
         meta.end_forward()
-        runs.append(depths)
     return runs
+
+
+def run_depths(meta: MTPMetadata, view: Any, cache: PagedKVCache,
+               x: torch.Tensor) -> List[Dict[str, torch.Tensor]]:
+    """DEPTHS depths of the current draft loop (setup, toy forward, advance); the
+    snapshot after each (inside a capture: the static tensors every replay refreshes)."""
+    snaps = []
+    for depth in range(DEPTHS):
+        meta.setup_decode_step(view)
+        out = toy_forward(cache, view, x, depth)
+        meta.advance_decode_step()
+        snaps.append(snapshot(meta, view, cache, out))
+    return snaps
 
 
 def capture_loop(sim: CudaSim, meta: MTPMetadata, view: Any, cache: PagedKVCache,
@@ -119,12 +126,7 @@ def capture_loop(sim: CudaSim, meta: MTPMetadata, view: Any, cache: PagedKVCache
     static snapshots every replay refreshes. Ends the forward."""
     graph = SimGraph()
     with sim.capture(graph):
-        snaps = []
-        for depth in range(DEPTHS):
-            meta.setup_decode_step(view)
-            out = toy_forward(cache, view, x, depth)
-            meta.advance_decode_step()
-            snaps.append(snapshot(meta, view, cache, out))
+        snaps = run_depths(meta, view, cache, x)
     meta.end_forward()
     return graph, snaps
 

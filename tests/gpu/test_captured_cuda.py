@@ -20,8 +20,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 from mtpmeta import ContextGPUView, MTPMetadata  # noqa: E402
 from mtpmeta.simulate.paged import PagedKVCache  # noqa: E402
-from tests.test_captured_loop import (CFG, CU_FIELDS, D, DEPTHS, P, PADDED_FIELDS,  # noqa: E402
-                                      R, REAL_FIELDS, VIEW_TOKENS, W, schedule, snapshot,
+from tests.test_captured_loop import (CFG, CU_FIELDS, D, P, PADDED_FIELDS,  # noqa: E402
+                                      R, REAL_FIELDS, VIEW_TOKENS, W, run_depths, schedule,
                                       toy_forward)
 
 CUDA = torch.device("cuda")
@@ -42,12 +42,8 @@ def _eager_default(steps):
     for n, starts, table, inputs in steps:
         x.copy_(inputs.to(CUDA))
         meta.begin_decode(n, P, starts, table, True)
-        depths = []
-        for depth in range(DEPTHS):
-            meta.setup_decode_step(view)
-            out = toy_forward(cache, view, x, depth)
-            meta.advance_decode_step()
-            depths.append({k: v.cpu() for k, v in snapshot(meta, view, cache, out).items()})
+        depths = [{k: v.cpu() for k, v in snap.items()}
+                  for snap in run_depths(meta, view, cache, x)]
         meta.end_forward()
         runs.append(depths)
     return runs
@@ -67,12 +63,7 @@ def test_cuda_graph_of_the_captured_loop_replays_like_eager():
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        snaps = []
-        for depth in range(DEPTHS):
-            meta.setup_decode_step(view)
-            out = toy_forward(cache, view, x, depth)
-            meta.advance_decode_step()
-            snaps.append(snapshot(meta, view, cache, out))
+        snaps = run_depths(meta, view, cache, x)
     meta.end_forward()
     got = []
     for n, starts, table, inputs in steps:
