@@ -22,12 +22,13 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 from mtpmeta import ContextGPUView, MTPMetadata  # noqa: E402
 from mtpmeta.bench.measure import cuda_syncs  # noqa: E402
-from mtpmeta.bench.workload import StepConfig, make_steps, run_commit, run_step  # noqa: E402
+from mtpmeta.bench.workload import make_steps, run_commit, run_step  # noqa: E402
 from mtpmeta.reference import ReferenceGPUView, ReferenceMTPMetadata  # noqa: E402
 from mtpmeta.runtime import TorchRuntime, use_runtime  # noqa: E402
 
-CONFIG = StepConfig(max_requests=64, block_columns=32, block_size=16, active=48,
-                    prefill_tokens=64, inherited_blocks=2, moves=8, swaps=2, resets=8)
+from tests.gpu.test_cuda_mirror import (CONFIG, _expected_buffers,  # noqa: E402
+                                        _token_inputs)
+
 CUDA = torch.device("cuda")
 R, W, BS = CONFIG.max_requests, CONFIG.block_columns, CONFIG.block_size
 TOKENS = CONFIG.max_tokens
@@ -139,25 +140,6 @@ def test_carry_of_a_device_hidden_freed_by_another_stream_keeps_the_value():
     del clobber
 
 
-def _token_inputs(rounds, seed, T=32):
-    g = torch.Generator().manual_seed(seed)
-    table = torch.randint(0, CONFIG.dummy_block, (R, W), generator=g, dtype=torch.int32)
-    rows = [torch.randint(0, R, (T,), generator=g) for _ in range(rounds)]
-    pos = [torch.randint(0, W * BS, (T,), generator=g) for _ in range(rounds)]
-    return table, rows, pos
-
-
-def _expected(table, rows, pos, padded):
-    meta = MTPMetadata(**CONFIG.metadata_kwargs())
-    meta.allocate("cpu")
-    view = ContextGPUView(R, TOKENS, W, "cpu")
-    out = []
-    for r, p in zip(rows, pos):
-        meta.write_token_maps(view, r, p, table, padded)
-        out.append(view.buffer.clone())
-    return out
-
-
 def _two_overlapping_streams(share_stage: bool, rounds: int = 96):
     """Forwards on two streams whose work overlaps for real: both streams first sleep,
     so the host queues many forwards on each (32 staging slots), and then drain at once,
@@ -165,7 +147,7 @@ def _two_overlapping_streams(share_stage: bool, rounds: int = 96):
     jitter). ``share_stage`` plants the bug the per-slot device stages prevent: every
     slot's H2D copy lands in one shared device stage. Returns the wrong rounds."""
     table, rows, pos = _token_inputs(rounds, seed=23)
-    expected = _expected(table, rows, pos, 40)
+    expected = _expected_buffers(table, rows, pos, 40)
     meta = MTPMetadata(**CONFIG.metadata_kwargs())
     with use_runtime(TorchRuntime()):
         meta.allocate(CUDA, staging_slots=32)
