@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -135,3 +136,16 @@ def test_one_timed_call_is_one_step(load_benchmark, monkeypatch, module, cls, me
         timed(*params)
     assert len(bench.steps) == steps
     assert [id(x) for x in seen] == [id(s) for s in bench.steps] + [id(bench.steps[0])]
+
+
+def test_asv_environments_get_the_cpu_torch_before_the_package():
+    """An environment asv builds for a commit installs PyTorch's CPU wheel, pinned, from
+    PyTorch's CPU index, and only then the package (which keeps that torch); before, the
+    package's unpinned torch pulled PyPI's CUDA build (5.7 GB). The config loads as asv
+    reads it (comments allowed)."""
+    config = pytest.importorskip("asv.config")
+    conf = config.Config.load(str(ASV_DIR / "asv.conf.json"))
+    torch_line, package_line = conf.install_command
+    assert re.search(r"pip install torch==\d+\.\d+\.\d+ ", torch_line), torch_line
+    assert torch_line.endswith("--index-url https://download.pytorch.org/whl/cpu")
+    assert package_line.endswith("pip install {wheel_file}")
