@@ -6,7 +6,8 @@ whose device writes are a few CUDA-graph-safe torch ops. See ``MTPMetadata``.
 Import from a source tree without installing: with the repository root on
 ``PYTHONPATH`` (``PYTHONPATH=. python -m pytest``, as ``scripts/gpu_check.sh`` runs),
 the kernels' top-level ``native/`` folder, which an install maps to ``mtpmeta.native``,
-is loaded as ``mtpmeta.native`` by ``_load_source_tree_native`` below.
+is loaded as ``mtpmeta.native`` at import (a private loader, deleted once it ran, so
+``help(mtpmeta)`` shows the public API only).
 """
 
 
@@ -32,6 +33,7 @@ def _load_source_tree_native() -> None:
 
 
 _load_source_tree_native()
+del _load_source_tree_native  # private: keep it out of help(mtpmeta) and dir(mtpmeta)
 
 from .errors import (
     CarryNotAllocatedError,

@@ -1,4 +1,4 @@
-"""Chunk-boundary carry and take at the seam."""
+"""Chunk-boundary carry and take at the seam, one of each per step."""
 
 from mtpmeta.bench.workload import run_carry
 
@@ -9,5 +9,4 @@ class TimeCarry(StepFixture):
     params = [StepFixture.params[0], [64], [3]]
 
     def time_carry_and_take(self, impl, active, depths):
-        for inputs in self.steps:
-            run_carry(self.meta, inputs)
+        run_carry(self.meta, self.next_inputs())

@@ -1,4 +1,5 @@
-"""The varlen commit pass (decode spans + one prefill chunk with inherited blocks)."""
+"""The varlen commit pass (decode spans + one prefill chunk with inherited blocks), one
+per step."""
 
 from mtpmeta.bench.workload import run_commit
 
@@ -9,5 +10,4 @@ class TimeCommitPass(StepFixture):
     params = [StepFixture.params[0], StepFixture.params[1], [3]]
 
     def time_commit_pass(self, impl, active, depths):
-        for inputs in self.steps:
-            run_commit(self.meta, self.view, inputs)
+        run_commit(self.meta, self.view, self.next_inputs())

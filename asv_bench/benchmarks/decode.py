@@ -1,4 +1,5 @@
-"""The draft loop: begin_decode, depths x (setup_decode_step + advance), end_forward."""
+"""The draft loop: begin_decode, depths x (setup_decode_step + advance), end_forward, one
+loop per step."""
 
 from mtpmeta.bench.workload import run_draft
 
@@ -7,5 +8,4 @@ from .common import StepFixture
 
 class TimeDraftLoop(StepFixture):
     def time_draft_loop(self, impl, active, depths):
-        for inputs in self.steps:
-            run_draft(self.meta, self.view, inputs, self.config)
+        run_draft(self.meta, self.view, self.next_inputs(), self.config)

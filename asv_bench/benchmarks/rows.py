@@ -1,4 +1,4 @@
-"""Row lifecycle: the compaction moves, swaps and resets of STEPS standard steps."""
+"""Row lifecycle: a standard step's compaction moves, swaps and resets."""
 
 from mtpmeta.bench.workload import run_rows
 
@@ -9,5 +9,4 @@ class TimeRows(StepFixture):
     params = [StepFixture.params[0], StepFixture.params[1], [3]]
 
     def time_row_compaction(self, impl, active, depths):
-        for inputs in self.steps:
-            run_rows(self.meta, inputs)
+        run_rows(self.meta, self.next_inputs())
