@@ -286,7 +286,10 @@ class MTPMetadata(MetadataState, CapturedLoop):
         max_kv_block_count]; graphed: a bool (or numpy bool). Host inputs are checked:
         every entry of ``block_table_src[:n]`` must fit ``block_table_dtype`` (a wider id
         would wrap into another block), and each depth then refuses a negative
-        (unallocated) block in the column a row writes. Device tensors (mirror path) are
+        (unallocated) block in the column a row writes; once a captured depth
+        (contract §12) ran on a view narrower than ``block_table_dtype``, every host
+        ``block_table_src`` of either route must fit that view too (a graph may replay
+        after any begin). Device tensors (mirror path) are
         copied on the device and are NOT value-checked (that would be a sync): an id that
         does not fit is converted as torch's ``copy_`` converts it (``check_invariants``
         flags it afterwards); the host then has no copy of the offsets and
@@ -307,9 +310,11 @@ class MTPMetadata(MetadataState, CapturedLoop):
         if on_device:
             backend.begin_decode_device(count, starts, table)
             self._unchecked_table = (table, count)  # for check_invariants only
-        elif not backend.begin_decode(count, starts, table):  # bad start: nothing written
-            raise_position_error(geometry, "start_positions", starts, count)
         else:
+            if self._captured_ids != geometry.table_range:  # a graph may replay after
+                self._check_begin_ids(table, count)  # this begin: ids its views hold
+            if not backend.begin_decode(count, starts, table):  # bad start: no write
+                raise_position_error(geometry, "start_positions", starts, count)
             self._unchecked_table = None
         self._enter_checked(count, padded, graphed)
 
@@ -415,6 +420,8 @@ class MTPMetadata(MetadataState, CapturedLoop):
             check_decode_view(self._geometry, target, padded)
         if self._capture_setup:  # contract §12: device ops only, legal inside a capture
             return self._captured_step(target, gpu_view)
+        if self._offsets_stale:  # a captured begin, then DRAFT re-entered by hand
+            self._refuse_stale("setup_decode_step")
         if backend.host_offsets_known:  # device start positions: not checked (a sync)
             check_draft_blocks(self._geometry, target, backend.host_offsets,
                                backend.host_block_table, count)
