@@ -177,7 +177,9 @@ class MTPMetadata(MetadataState, CapturedLoop):
         self._install(*self._allocation(device, mirror, max_tokens, staging_slots))
 
     def deallocate(self) -> None:
-        """Release every buffer, mirroring ``allocate`` (the suspend path)."""
+        """Release every buffer, mirroring ``allocate`` (the suspend path). A CUDA graph
+        holding a captured draft-loop setup (``capture_setup=True``) keeps the released
+        buffers' addresses: recapture it after the next ``allocate``."""
         self._install(None, None, None)
 
     # -------------------------------------------------------------- row lifecycle
@@ -279,7 +281,9 @@ class MTPMetadata(MetadataState, CapturedLoop):
         and the loop's ``setup_decode_step`` / ``advance_decode_step`` are then device
         ops only, legal inside a CUDA graph captured after
         ``begin_decode_for_capture(padded_count, capture_setup=True)``. Use the same
-        ``padded_count`` the replayed graph was captured at.
+        ``padded_count`` the replayed graph was captured at, replay it on the stream this
+        begin ran on, and recapture after ``deallocate``/``allocate`` (a captured begin at
+        a count prepared for capture on an earlier allocation is a ``ValueError``).
 
         start_positions: int [>= n] (tensor, array or sequence): per request the position
         depth 0 writes, its MTP KV length; block_table_src: int [>= n,
@@ -404,7 +408,10 @@ class MTPMetadata(MetadataState, CapturedLoop):
         In a captured loop (``capture_setup=True``, contract §12) the depth is device ops
         only on both paths (``mtpmeta.captured``), legal inside a CUDA graph capture:
         pad rows are masked with the device count, a block column past the table goes
-        to ``D``, and the shape is the graphed one.
+        to ``D``, and the shape is the graphed one. After such a loop, the default
+        route refuses until the next begin without ``capture_setup``
+        (``StaleOffsetsError``, nothing written): a replay may have advanced the
+        device offsets past the host's copy.
         """
         backend = self._backend
         if backend is None or self.active_offsets is None:
