@@ -16,6 +16,7 @@ import torch
 
 from .buffers import PersistentBuffers
 from .gpu_view import ViewTarget
+from .runtime import StreamOrder
 
 __all__ = ["Backend"]
 
@@ -25,6 +26,7 @@ class Backend(Protocol):
     buffers: PersistentBuffers
     host_offsets: np.ndarray  # [R] int32: the host's copy of the draft offsets
     host_offsets_known: bool  # False after begin_decode from device start positions
+    stream_order: Optional[StreamOrder]  # of the persistent buffers (None: the CPU)
 
     def begin_decode(self, count: int, start_positions: np.ndarray,
                      table_src: np.ndarray) -> bool: ...

@@ -19,8 +19,14 @@ The same torch ops run on both backends: on the direct path the device is the CP
 a replayed graph could never re-run a numba kernel, so this route uses none.
 
 Fields the default route leaves untouched on pad rows (request index, both positions)
-are written here with the rows' ids and offsets: a forward must not read them there
-(the default route gives them no meaning either).
+are written here with the row ids and position 0: a forward must not read them there
+(the default route gives them no meaning either), but a gather by position (RoPE)
+stays in range, although every replay advances the pad rows' offsets too.
+
+Streams: run eagerly, every depth, advance and length staging first enters the
+persistent buffers' ``StreamOrder`` (mirror path), as the default route does; inside a
+capture it records nothing, so a replay is ordered by the stream it is launched on: the
+stream the loop's ``begin_decode`` ran on (contract §12).
 
 Cost note: 28 device ops per depth (``DEPTH_OPS``), 1 per advance, all inside the graph
 at replay; the host's only work per step is ``begin_decode``, the default route's own:
@@ -32,7 +38,7 @@ op on the direct path.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -42,6 +48,7 @@ from .buffers import PersistentBuffers
 from .cache import BoundedCache
 from .gpu_view import ViewTarget
 from .mirror_device import draft_scratch, write_lengths_and_table
+from .runtime import StreamOrder
 
 __all__ = ["CapturedRoute", "stage_count", "mark_pad_rows", "DEPTH_OPS", "ADVANCE_OPS"]
 
@@ -110,8 +117,13 @@ class CapturedRoute:
     backends' own ``begin_decode`` (it writes the count through ``stage_count``).
     """
 
-    def __init__(self, buffers: PersistentBuffers, *, block_size: int, dummy: int) -> None:
+    def __init__(self, buffers: PersistentBuffers, *, block_size: int, dummy: int,
+                 order: Optional[StreamOrder] = None) -> None:
         self.buffers = buffers
+        # The persistent buffers' stream order (mirror path; None on the direct path):
+        # run eagerly, every call here orders itself after the last call on another
+        # stream, as the default route does; inside a capture it records nothing.
+        self._order = order
         self.block_size = block_size
         self.dummy = dummy
         self.width = buffers.block_table.shape[1]
@@ -128,6 +140,8 @@ class CapturedRoute:
         if v is None:
             v = self._depth_views(target, padded)
             target.plans.put(("captured_step", padded), v)
+        if self._order is not None:
+            self._order.enter_unless_capturing()
         f = v.fields
         mark_pad_rows(v.row_ids, self.count, v.pad)
         torch.floor_divide(v.offsets, self.block_size, out=v.columns)
@@ -145,28 +159,36 @@ class CapturedRoute:
                         out=f.token_to_local_position_within_kv_block)
         f.token_to_local_position_within_kv_block.masked_fill_(v.pad, 0)
         f.token_to_request_idx.copy_(v.row_ids)
-        f.token_to_position_in_request.copy_(v.offsets)
-        f.token_to_pos_ids.copy_(v.offsets)
-        self._lengths(v)
+        torch.logical_not(v.pad, out=v.query)  # query lengths: 1 real, 0 pad
+        # Positions: the offset on real rows, 0 on pad rows (multiplied by the query
+        # length), so pad rows stay in range however many replays advanced them.
+        torch.mul(v.offsets, v.query, out=f.token_to_position_in_request)
+        torch.mul(v.offsets, v.query, out=f.token_to_pos_ids)
+        self._kv_lengths(v)
         write_lengths_and_table(f, v)
         f.mha_block_table.masked_fill_(v.pad_2d, -1)
 
-    def _lengths(self, v: Any) -> None:
-        """Query 1 and KV ``offset + 1`` on real rows, 0 on pad rows (3 ops; ``v.pad``
-        holds the pad mask)."""
-        torch.logical_not(v.pad, out=v.query)
+    @staticmethod
+    def _kv_lengths(v: Any) -> None:
+        """KV ``offset + 1`` on real rows, 0 on pad rows (2 ops; ``v.pad`` holds the
+        pad mask)."""
         torch.add(v.offsets, 1, out=v.kv)
         v.kv.masked_fill_(v.pad, 0)
 
     def stage_decode_lengths(self, padded: int) -> None:
         """``stage_decode_lengths`` over ``padded`` rows, masked (4 device ops)."""
         v = self._lengths_views(padded)
+        if self._order is not None:
+            self._order.enter_unless_capturing()
         mark_pad_rows(v.row_ids, self.count, v.pad)
-        self._lengths(v)
+        torch.logical_not(v.pad, out=v.query)
+        self._kv_lengths(v)
 
     def advance_decode_step(self, padded: int) -> None:
         """``offsets[:padded] += 1`` in place: one device op (pad rows move too; they
-        are masked at every depth)."""
+        are masked at every depth, their positions written as 0)."""
+        if self._order is not None:
+            self._order.enter_unless_capturing()
         self.buffers.offsets[:padded].add_(1)
 
     # ------------------------------------------------------------------- views

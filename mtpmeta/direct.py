@@ -23,6 +23,7 @@ class DirectBackend:
     """Host kernels over CPU buffers. ``host_offsets`` IS the offsets buffer here."""
 
     mirror = False
+    stream_order = None  # the CPU: nothing is in flight, nothing to order
 
     def __init__(self, buffers: PersistentBuffers, *, max_requests: int, block_size: int,
                  dummy: int) -> None:

@@ -177,7 +177,9 @@ class MTPMetadata(MetadataState, CapturedLoop):
         self._install(*self._allocation(device, mirror, max_tokens, staging_slots))
 
     def deallocate(self) -> None:
-        """Release every buffer, mirroring ``allocate`` (the suspend path)."""
+        """Release every buffer, mirroring ``allocate`` (the suspend path). A CUDA graph
+        holding a captured draft-loop setup (``capture_setup=True``) keeps the released
+        buffers' addresses: recapture it after the next ``allocate``."""
         self._install(None, None, None)
 
     # -------------------------------------------------------------- row lifecycle
@@ -279,14 +281,19 @@ class MTPMetadata(MetadataState, CapturedLoop):
         and the loop's ``setup_decode_step`` / ``advance_decode_step`` are then device
         ops only, legal inside a CUDA graph captured after
         ``begin_decode_for_capture(padded_count, capture_setup=True)``. Use the same
-        ``padded_count`` the replayed graph was captured at.
+        ``padded_count`` the replayed graph was captured at, replay it on the stream this
+        begin ran on, and recapture after ``deallocate``/``allocate`` (a captured begin at
+        a count prepared for capture on an earlier allocation is a ``ValueError``).
 
         start_positions: int [>= n] (tensor, array or sequence): per request the position
         depth 0 writes, its MTP KV length; block_table_src: int [>= n,
         max_kv_block_count]; graphed: a bool (or numpy bool). Host inputs are checked:
         every entry of ``block_table_src[:n]`` must fit ``block_table_dtype`` (a wider id
         would wrap into another block), and each depth then refuses a negative
-        (unallocated) block in the column a row writes. Device tensors (mirror path) are
+        (unallocated) block in the column a row writes; once a captured depth
+        (contract §12) ran on a view narrower than ``block_table_dtype``, every host
+        ``block_table_src`` of either route must fit that view too (a graph may replay
+        after any begin). Device tensors (mirror path) are
         copied on the device and are NOT value-checked (that would be a sync): an id that
         does not fit is converted as torch's ``copy_`` converts it (``check_invariants``
         flags it afterwards); the host then has no copy of the offsets and
@@ -307,9 +314,11 @@ class MTPMetadata(MetadataState, CapturedLoop):
         if on_device:
             backend.begin_decode_device(count, starts, table)
             self._unchecked_table = (table, count)  # for check_invariants only
-        elif not backend.begin_decode(count, starts, table):  # bad start: nothing written
-            raise_position_error(geometry, "start_positions", starts, count)
         else:
+            if self._captured_ids != geometry.table_range:  # a graph may replay after
+                self._check_begin_ids(table, count)  # this begin: ids its views hold
+            if not backend.begin_decode(count, starts, table):  # bad start: no write
+                raise_position_error(geometry, "start_positions", starts, count)
             self._unchecked_table = None
         self._enter_checked(count, padded, graphed)
 
@@ -399,7 +408,10 @@ class MTPMetadata(MetadataState, CapturedLoop):
         In a captured loop (``capture_setup=True``, contract §12) the depth is device ops
         only on both paths (``mtpmeta.captured``), legal inside a CUDA graph capture:
         pad rows are masked with the device count, a block column past the table goes
-        to ``D``, and the shape is the graphed one.
+        to ``D``, and the shape is the graphed one. After such a loop, the default
+        route refuses until the next begin without ``capture_setup``
+        (``StaleOffsetsError``, nothing written): a replay may have advanced the
+        device offsets past the host's copy.
         """
         backend = self._backend
         if backend is None or self.active_offsets is None:
@@ -415,6 +427,8 @@ class MTPMetadata(MetadataState, CapturedLoop):
             check_decode_view(self._geometry, target, padded)
         if self._capture_setup:  # contract §12: device ops only, legal inside a capture
             return self._captured_step(target, gpu_view)
+        if self._offsets_stale:  # a captured begin, then DRAFT re-entered by hand
+            self._refuse_stale("setup_decode_step")
         if backend.host_offsets_known:  # device start positions: not checked (a sync)
             check_draft_blocks(self._geometry, target, backend.host_offsets,
                                backend.host_block_table, count)

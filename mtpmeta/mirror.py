@@ -164,6 +164,11 @@ class MirrorBackend:
         self._order = StreamOrder(self.device, runtime)  # of the persistent buffers
 
     @property
+    def stream_order(self) -> StreamOrder:
+        """The persistent buffers' stream order (the captured route enters it too)."""
+        return self._order
+
+    @property
     def fence_stalls(self) -> int:
         """Fence waits so far that found their slot still in use (each a host stall)."""
         rings = (self._begin_ring, self._lengths_ring, self._carry_ring, self._forward_ring)

@@ -121,6 +121,16 @@ class StreamOrder:
             self.switches += 1
         self._stream = stream
 
+    def enter_unless_capturing(self) -> None:
+        """``enter()`` for ops that may also be captured (the captured draft loop,
+        contract §12): run eagerly, they are ordered like any other call; inside a
+        capture nothing is recorded, waited on or queried (an event from outside the
+        capture may not be waited on in it, and the replay runs on the stream the
+        caller chooses, which the host never sees)."""
+        if self._event is None or self._runtime.is_capturing(self._device):
+            return
+        self.enter()
+
 
 class TorchRuntime:
     """The real runtime: ``torch.cuda`` events and streams; no-ops for the CPU."""

@@ -8,7 +8,7 @@ caller input (that is ``mtpmeta.checks``).
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, Optional, Set, Tuple
 
 import numpy as np
 import torch
@@ -123,6 +123,10 @@ class MetadataState:
         # and those the current captured loop's host table is known to fit.
         self._captured_ids: Optional[Tuple[int, int]] = None
         self._loop_ids: Optional[Tuple[int, int]] = None
+        # mtpmeta.captured_loop: padded counts prepared for capture on this allocation,
+        # and on an earlier one only (a graph captured there holds freed buffers).
+        self._capture_counts: Set[int] = set()
+        self._orphaned_counts: Set[int] = set()
 
     def _allocation(self, device: torch.device, mirror: bool, max_tokens: int,
                     staging_slots: int) -> Tuple[PersistentBuffers, Backend, Geometry]:
@@ -159,10 +163,13 @@ class MetadataState:
         self._buffers, self._backend, self._geometry = buffers, backend, geometry
         self._memo = None if buffers is None else ForwardMemo(buffers, geometry)
         self._captured = None if buffers is None else CapturedRoute(
-            buffers, block_size=self.block_size_tokens, dummy=self.dummy_block_idx)
+            buffers, block_size=self.block_size_tokens, dummy=self.dummy_block_idx,
+            order=backend.stream_order)
         self._capture_setup = self._offsets_stale = False
         self._captured_ids = None if geometry is None else geometry.table_range
         self._loop_ids = None
+        self._orphaned_counts |= self._capture_counts  # their graphs hold old buffers
+        self._capture_counts = set()
         self.active_offsets = self.active_block_table = self._active_lengths = None
         self.last_forward = self._unchecked_table = None
         self._forward_mode = MTPForwardMode.NONE
