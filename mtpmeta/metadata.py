@@ -128,7 +128,11 @@ class MTPMetadata(MetadataState, CapturedLoop):
     # ----------------------------------------------------------------- properties
     request_matched_prefix_blocks = property(
         lambda self: self._buffer("request_matched_prefix_blocks"),
-        doc="[R] int32 host: leading KV blocks each row inherited from the prefix cache.")
+        doc="[R] int32 host: leading KV blocks each row inherited from the prefix cache. "
+            "None before allocate() and after deallocate() (contract §1), so an in-place "
+            "write then fails on None (a TypeError): call allocate(device) first, then "
+            "write the annotations again (allocate zeroes them); the row methods "
+            "(reset/move/swap_request_rows) raise NotAllocatedError saying so.")
     offsets = property(lambda self: self._buffer("offsets"),
                        doc="[R] int32 device: draft write position per request.")
     block_table = property(lambda self: self._buffer("block_table"),

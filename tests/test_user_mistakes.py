@@ -426,6 +426,44 @@ def test_the_active_slice_and_the_upstream_whole_buffer_without_paused_rows_pass
     meta.check_invariants()
 
 
+# ---------------------------------------------- 1.5c messages a newcomer meets (25 §4)
+def test_annotations_after_deallocate_read_none_and_say_what_to_call():
+    """The contract keeps the buffers None after deallocate(), so ``x[0] = 3`` fails on
+    None; the property's docstring says to call allocate(device) and write the
+    annotations again, and every row method says the same in a NotAllocatedError."""
+    from mtpmeta import NotAllocatedError
+
+    meta = make_metadata()
+    meta.deallocate()
+    assert meta.request_matched_prefix_blocks is None
+    doc = " ".join(MTPMetadata.request_matched_prefix_blocks.__doc__.split())
+    assert "None before allocate() and after deallocate()" in doc
+    assert "call allocate(device) first, then write the annotations again" in doc
+    for name, call in (("reset_request_rows", lambda: meta.reset_request_rows([0])),
+                       ("move_request_rows", lambda: meta.move_request_rows([0], [1])),
+                       ("swap_request_rows", lambda: meta.swap_request_rows([0], [1]))):
+        with pytest.raises(NotAllocatedError, match=rf"^{name}: buffers are not "
+                                                    r"allocated; call allocate\(device\)"):
+            call()
+
+
+def test_a_device_input_on_another_device_names_the_device_it_got():
+    """The mirror path's device route said only "every input must be a tensor on cpu";
+    a meta tensor (or a list beside one) is now named."""
+    meta, view = _primed("mirror")
+    on_meta = torch.zeros(2, dtype=torch.int32, device="meta")
+    table = torch.zeros((2, W), dtype=torch.int32, device="meta")
+    _refused(meta, [view], lambda: meta.write_token_maps(view, on_meta, on_meta, table, 2),
+             ValueError, r"^rows: with device inputs every input must be a tensor on cpu, "
+                         r"got a tensor on meta$")
+    _refused(meta, [view], lambda: meta.begin_decode(2, 2, on_meta, table, False),
+             ValueError, r"^start_positions: .* tensor on cpu, got a tensor on meta$")
+    from mtpmeta.inputs import check_device_tensors  # a list beside a device tensor
+
+    with pytest.raises(ValueError, match=r"^positions: .* tensor on cpu, got a list$"):
+        check_device_tensors(torch.device("cpu"), (("positions", [0, 1], 1),))
+
+
 # ------------------------------------------------------------------------ 1.6 flags
 @pytest.mark.parametrize("bad", ["yes", 1, None, "no"])
 def test_enabled_must_be_a_bool(bad):
