@@ -97,6 +97,8 @@ def test_width_sweep_reports_the_mirror_bytes_flat_over_widths():
     assert set(result["per_depth"]) == {"mirror", "direct", "reference"}
     assert all(set(row) == {16, 128} for row in result["per_depth"].values())
     assert "W 128 / W 16" in format_width_sweep(result)
+    assert "(target <= 1.2x; the target is for instruction counts (--instructions)" in \
+        format_width_sweep(result)
     # The plot's bars: each cell's lowest and highest of the 2 passes around its median.
     assert set(spread) == set(result["per_depth"])
     for path, row in result["per_depth"].items():
