@@ -545,6 +545,29 @@ def _scan_rows_fit(table: np.ndarray, rows: int, bounds: Tuple[int, int], name: 
                          "around into another block")
 
 
+def refuse_whole_annotations(method: str, inherited: Any, annotations: Tensor,
+                             offset: int) -> None:
+    """Refuse ``inherited_blocks`` that is the annotation buffer from its element 0
+    (``request_matched_prefix_blocks`` itself, or a view or ``.numpy()`` of it starting
+    there) while ``draft_annotation_offset`` says ``offset > 0`` paused rows come first:
+    entry ``r`` would then be paused row ``r``'s count, not active row ``offset + r``'s,
+    and a token of an inherited block would overwrite that shared block. Called only
+    when ``offset`` is non-zero; a ``ValueError`` before anything is written."""
+    if isinstance(inherited, Tensor):
+        address = inherited.data_ptr() if inherited.device == annotations.device else 0
+    elif isinstance(inherited, np.ndarray):
+        address = inherited.__array_interface__["data"][0]
+    else:
+        return
+    if inherited.ndim == 1 and inherited.shape[0] and address == annotations.data_ptr():
+        raise ValueError(
+            f"{method}: inherited_blocks is request_matched_prefix_blocks from row 0, "
+            f"but draft_annotation_offset = {offset} says the first {offset} rows are "
+            f"paused: pass the active slice request_matched_prefix_blocks[{offset}:total] "
+            f"(entry r is active row {offset} + r), or set "
+            f"draft_annotation_offset = 0 first if no row is paused now")
+
+
 def _raise_inherited_range(geo: Geometry, inherited: np.ndarray, index: int) -> None:
     """``inherited[index]`` lies outside ``[0, W]``: a request inherits at most its
     whole block table."""

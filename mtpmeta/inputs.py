@@ -261,8 +261,10 @@ def check_device_tensors(device: torch.device,
     buffers' device (the device-op route takes nothing else)."""
     for name, tensor, ndim in named:
         if not isinstance(tensor, torch.Tensor) or tensor.device != device:
+            got = (f"a tensor on {tensor.device}" if isinstance(tensor, torch.Tensor)
+                   else f"a {type(tensor).__name__}")
             raise ValueError(f"{name}: with device inputs every input must be a "
-                             f"tensor on {device}")
+                             f"tensor on {device}, got {got}")
         if not is_int_dtype(tensor.dtype):
             raise InvalidDtypeError(f"{name}: dtype {tensor.dtype} is not an integer "
                                     "dtype")

@@ -37,6 +37,11 @@ The invariants, in the order they are checked:
   draft row ``i`` belongs to annotation row ``meta.draft_annotation_offset + i`` (the
   active slice; the offset is the paused-row count when paused rows come first, 0 by
   default), and its token must not land in one of that row's inherited blocks.
+- ``committed KV`` (kinds commit/decode): a depth of the draft loop whose
+  ``begin_decode`` came right after a commit pass (no view-writing call between) does
+  not write a KV slot (block, local offset; the dummy block aside) that pass wrote:
+  the loop writes past what the pass committed. The pass's slots are read at its first
+  check, so this needs a check after the commit pass (``MTPMETA_DEBUG=1`` makes one).
 
 The view checks read ``gpu_view`` when given, else ``meta.last_forward.gpu_view``; they
 assume the view still holds what the last MTP write put there (a view another writer
@@ -79,6 +84,8 @@ COMMIT_KINDS = ("commit", "tokens", "mha")
 _INHERITED_SEEN: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
 # meta -> the record whose device-route block_table was compared (at its first check)
 _TABLES_SEEN: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+# meta -> (commit record, _record_key, [T] int64 KV slots it wrote, -1 for the dummy)
+_COMMITS_SEEN: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
 
 
 def _fail(invariant: str, detail: str) -> None:
@@ -233,6 +240,7 @@ def _check_token_rows(meta: Any, record: ForwardRecord, view: Any) -> None:
         _check_inherited(meta, record, f, T)
     elif record.kind == "decode" and T:
         _check_inherited(meta, record, f, T, draft_offset=_draft_offset(meta, T))
+    _check_committed_slots(meta, record, f, T)
 
 
 def _check_block_ids(meta: Any, record: ForwardRecord, f: Dict[str, np.ndarray],
@@ -374,6 +382,52 @@ def _check_inherited(meta: Any, record: ForwardRecord, f: Dict[str, np.ndarray],
                                   f"of {_describe(record)} points at block "
                                   f"{int(blocks[t])}, expected dummy_block_idx "
                                   f"{meta.dummy_block_idx}")
+
+
+def _slots(meta: Any, f: Dict[str, np.ndarray], T: int) -> np.ndarray:
+    """The KV slots ``block * BS + local`` the real tokens ``[0, T)`` write, the dummy
+    block's left out (redirected, padding or scratch tokens)."""
+    blocks = f["token_to_block_idx"][:T]
+    local = f["token_to_local_position_within_kv_block"][:T]
+    slots = blocks * meta.block_size_tokens + local
+    return np.where(blocks == meta.dummy_block_idx, -1, slots)
+
+
+def _check_committed_slots(meta: Any, record: ForwardRecord, f: Dict[str, np.ndarray],
+                           T: int) -> None:
+    """A commit pass's slots are kept at its first check; a depth of the draft loop
+    begun right after it (``meta._loop_after`` is that pass's record) must not write
+    one of them: depth ``d`` writes ``start + d``, past what the pass committed, so a
+    hit means the draft overwrites committed KV (e.g. ``begin_decode`` given the
+    per-row start positions instead of the active requests' ``start + count``)."""
+    if record.kind == "commit":
+        seen = _COMMITS_SEEN.get(meta)
+        if seen is None or seen[0] is not record or seen[1] != _record_key(record):
+            _COMMITS_SEEN[meta] = (record, _record_key(record), _slots(meta, f, T))
+        return
+    if record.kind != "decode" or not T or \
+            getattr(meta, "_decode_record", None) is not record:
+        return
+    commit = getattr(meta, "_loop_after", None)
+    seen = _COMMITS_SEEN.get(meta)
+    if commit is None or seen is None or seen[0] is not commit or \
+            seen[1] != _record_key(commit):
+        return  # no commit pass right before this loop, or none that was checked
+    draft = _slots(meta, f, T)
+    hits = np.flatnonzero((draft >= 0) & np.isin(draft, seen[2]))
+    if hits.size:
+        t = int(hits[0])
+        row, position = (int(f[name][t]) for name in ("token_to_request_idx",
+                                                      "token_to_position_in_request"))
+        block, local = divmod(int(draft[t]), meta.block_size_tokens)
+        _fail("committed KV", f"draft token {t} (draft row {row}, "
+                              f"position {position}) of {_describe(record)} writes block "
+                              f"{block} local {local}, a slot the commit pass before this "
+                              f"draft loop wrote (its token "
+                              f"{int(np.flatnonzero(seen[2] == draft[t])[0])}): depth 0 "
+                              f"writes start_positions[i], which must lie past what the "
+                              f"pass committed (start + count of active request i), not a "
+                              f"per-row array that paused rows shift")
 
 
 def _check_request_slots(record: ForwardRecord, view: Any) -> None:

@@ -17,7 +17,8 @@ from .checks import (check_allocate, check_begin_decode, check_carry,
                      check_commit_inputs, check_config, check_decode_counts,
                      check_decode_view, check_draft_blocks, check_mha_inputs,
                      check_prefill_lengths, check_row_pair, check_take, check_token_inputs,
-                     raise_position_error, raise_refused_row_pair)
+                     raise_position_error, raise_refused_row_pair,
+                     refuse_whole_annotations)
 from .errors import CarryNotAllocatedError, ForwardModeError, MTPDisabledError
 from .inputs import as_row_indices, check_flag, raise_row_out_of_range
 from .captured_loop import CapturedLoop
@@ -74,9 +75,13 @@ class MTPMetadata(MetadataState, CapturedLoop):
         active_block_table: ``block_table[:n]``, a view (None before ``begin_decode``).
         last_forward: ``ForwardRecord`` of the last view-writing call, read by
             ``check_invariants`` (None before any).
-        draft_annotation_offset: int, default 0, read only by ``check_invariants``:
-            draft row ``i`` belongs to annotation row ``draft_annotation_offset + i``
-            (set it to the paused-row count when paused rows come first).
+        draft_annotation_offset: int, default 0: the paused-row count when paused rows
+            come first, so that draft row ``i`` belongs to annotation row
+            ``draft_annotation_offset + i`` (read by ``check_invariants``). Set it before
+            the step's commit pass: while it is non-zero, ``setup_commit_pass`` and
+            ``write_token_maps`` refuse ``inherited_blocks`` that is
+            ``request_matched_prefix_blocks`` from row 0 (the whole buffer, not the
+            active slice), a ``ValueError``.
         request_matched_prefix_blocks, offsets, block_table, query_lengths,
             kv_lengths, row_ids, chunk_boundary_hidden: the persistent buffers
             (read-only properties, None before ``allocate``).
@@ -114,16 +119,20 @@ class MTPMetadata(MetadataState, CapturedLoop):
         self.active_block_table: Optional[Tensor] = None  # block_table[:n] view
         # The last view-writing call, for check_invariants (None before any).
         self.last_forward: Optional[ForwardRecord] = None
-        # Annotation row of draft row 0, for check_invariants only: draft row i belongs
-        # to request_matched_prefix_blocks[draft_annotation_offset + i] (the active
-        # slice; set it to the paused-row count when paused rows come first).
+        # Annotation row of draft row 0 (the paused-row count when paused rows come
+        # first): draft row i belongs to request_matched_prefix_blocks[offset + i], for
+        # check_invariants; non-zero, it also refuses the whole buffer as inherited_blocks.
         self.draft_annotation_offset: int = 0
         self._init_state()  # the carry state and no allocation
 
     # ----------------------------------------------------------------- properties
     request_matched_prefix_blocks = property(
         lambda self: self._buffer("request_matched_prefix_blocks"),
-        doc="[R] int32 host: leading KV blocks each row inherited from the prefix cache.")
+        doc="[R] int32 host: leading KV blocks each row inherited from the prefix cache. "
+            "None before allocate() and after deallocate() (contract §1), so an in-place "
+            "write then fails on None (a TypeError): call allocate(device) first, then "
+            "write the annotations again (allocate zeroes them); the row methods "
+            "(reset/move/swap_request_rows) raise NotAllocatedError saying so.")
     offsets = property(lambda self: self._buffer("offsets"),
                        doc="[R] int32 device: draft write position per request.")
     block_table = property(lambda self: self._buffer("block_table"),
@@ -285,8 +294,11 @@ class MTPMetadata(MetadataState, CapturedLoop):
         begin ran on, and recapture after ``deallocate``/``allocate`` (a captured begin at
         a count prepared for capture on an earlier allocation is a ``ValueError``).
 
-        start_positions: int [>= n] (tensor, array or sequence): per request the position
-        depth 0 writes, its MTP KV length; block_table_src: int [>= n,
+        start_positions: int [>= n] (tensor, array or sequence): per ACTIVE request the
+        position depth 0 writes, its MTP KV length (entry ``i`` is draft row ``i``, not
+        context row ``i``: with paused rows first pass the active slice;
+        ``check_invariants`` reports a depth that overwrites what the commit pass just
+        before the loop wrote); block_table_src: int [>= n,
         max_kv_block_count]; graphed: a bool (or numpy bool). Host inputs are checked:
         every entry of ``block_table_src[:n]`` must fit ``block_table_dtype`` (a wider id
         would wrap into another block), and each depth then refuses a negative
@@ -307,9 +319,11 @@ class MTPMetadata(MetadataState, CapturedLoop):
         geometry = self._geometry
         count, padded, starts, table, on_device = check_begin_decode(
             geometry, active_request_count, padded_count, start_positions, block_table_src)
+        after = self.last_forward  # for check_invariants: the forward before the loop
         if capture_setup:
             self._begin_captured(backend, count, padded, starts, table, on_device)
             self._unchecked_table = None
+            self._loop_after = after
             return
         if on_device:
             backend.begin_decode_device(count, starts, table)
@@ -321,6 +335,7 @@ class MTPMetadata(MetadataState, CapturedLoop):
                 raise_position_error(geometry, "start_positions", starts, count)
             self._unchecked_table = None
         self._enter_checked(count, padded, graphed)
+        self._loop_after = after
 
     def begin_decode_for_capture(self, padded_count: int, *,
                                  capture_setup: bool = False) -> None:
@@ -492,7 +507,8 @@ class MTPMetadata(MetadataState, CapturedLoop):
         Keep them on the host to keep the commit pass free of syncs.
         ``inherited_blocks`` is per commit-pass request: the ACTIVE slice of the
         annotations (``request_matched_prefix_blocks[paused:total]``), never the whole
-        array, which with paused rows redirects the wrong requests; its counts lie in
+        array, which with paused rows redirects the wrong requests (refused, a
+        ``ValueError``, when ``draft_annotation_offset`` is non-zero); its counts lie in
         ``[0, max_kv_block_count]`` and are copied for ``check_invariants`` at the call.
         Block ids: the rows ``block_table[:P]`` must fit ``gpu_view.mha_block_table``,
         and every block a token writes (not redirected) must be ``>= 0`` and fit
@@ -509,6 +525,10 @@ class MTPMetadata(MetadataState, CapturedLoop):
         lengths [3, 5], request 1 reads row [1, D].
         """
         backend = self._require("setup_commit_pass")
+        if self.draft_annotation_offset and inherited_blocks is not None:
+            refuse_whole_annotations("setup_commit_pass", inherited_blocks,
+                                     self._buffers.request_matched_prefix_blocks,
+                                     self.draft_annotation_offset)
         target = self._memo.target(gpu_view)
         (counts, starts, table, inherited, total, padded_tokens, pad, min_padded,
          padded_requests) = check_commit_inputs(
@@ -536,13 +556,18 @@ class MTPMetadata(MetadataState, CapturedLoop):
         both position fields ``positions``. Pad rows ``[T, padded_token_count)`` get
         block ``D`` and local 0 and nothing else. rows, positions: int [T];
         block_table: int [B, >= cols]; inherited_blocks: int [> max(rows)], each in
-        ``[0, max_kv_block_count]``. On the host every block a token writes (one not
+        ``[0, max_kv_block_count]``, refused when it is ``request_matched_prefix_blocks``
+        from row 0 while ``draft_annotation_offset`` is non-zero (pass the active slice). On the host every block a token writes (one not
         redirected to ``D``) must be ``>= 0`` and fit ``gpu_view.token_to_block_idx``;
         device tensors (mirror path) are not value-checked (a sync): a block column
         outside the table sends the token to ``D``, a block id is converted as torch
         converts it.
         """
         backend = self._require("write_token_maps")
+        if self.draft_annotation_offset and inherited_blocks is not None:
+            refuse_whole_annotations("write_token_maps", inherited_blocks,
+                                     self._buffers.request_matched_prefix_blocks,
+                                     self.draft_annotation_offset)
         target = self._memo.target(gpu_view)
         rows, positions, table, inherited, count, padded, on_device = check_token_inputs(
             self._geometry, target, rows, positions, block_table, padded_token_count,

@@ -114,6 +114,8 @@ class MetadataState:
         self._buffers = self._backend = self._geometry = self._memo = None
         self._active_lengths = None  # (query_lengths[:n], kv_lengths[:n]) in DRAFT
         self._decode_record: Optional[ForwardRecord] = None  # a draft loop's record
+        # last_forward when the staged draft loop began (check_invariants' committed KV)
+        self._loop_after: Optional[ForwardRecord] = None
         # (device block_table_src, n) of a device-route begin_decode, until the next
         # check_invariants compares the buffer with it (ids are not checked on the host)
         self._unchecked_table: Optional[Tuple[Tensor, int]] = None
@@ -211,6 +213,7 @@ class MetadataState:
         self.graphed = graphed
         self._forward_mode = MTPForwardMode.DRAFT
         self._decode_record = None  # a new draft loop: its first depth makes a record
+        self._loop_after = None  # begin_decode sets it after this: its last_forward
         self._capture_setup = self._offsets_stale = False  # a captured begin sets it after
 
     def _require_draft_views(self, method: str) -> Any:

@@ -8,6 +8,7 @@ wrong code.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import fields
 from pathlib import Path
 
@@ -100,10 +101,91 @@ def test_bench_cli_writes_json_with_every_implementation(tmp_path, capsys):
         assert row["data_ops_per_step"] <= row["ops_per_step"]
         # The fence-stall column: mirror rows only (CPU fences never block).
         assert row["fence_stalls_per_step"] == (0 if row["impl"] == "mirror" else None)
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     assert "views identical" in printed and "speed-up" in printed
     assert "fence stalls/step" in printed
-    assert "torch/numpy" in printed and "target:" in printed
+    assert "torch/numpy" in printed
+    # Issue 25: the targets are one explained line unless --targets; the JSON keeps
+    # each one; stdout ends with the verdict; progress goes to stderr only.
+    targets = json.loads(out.read_text())["targets"]
+    met = sum(line.endswith(": met") for line in targets)
+    assert len(targets) == 5 and "target:" not in printed
+    assert f"targets: {met} of 5 met. They are this design's speed and op-count goals" \
+        in printed
+    lines = printed.splitlines()
+    assert lines[-2] == f"wrote {out}"
+    assert re.fullmatch(r"verdict: direct and mirror wrote the reference's views and "
+                        r"buffers on all 2 checked steps \(torch and numpy inputs, eager "
+                        r"and graphed\); host time per step, torch inputs, eager: direct "
+                        r"\d+\.\d\dx the reference's \(reference/direct \d+\.\dx\), "
+                        r"mirror \d+\.\d\dx the reference's \(reference/mirror \d+\.\dx\)",
+                        lines[-1]), lines[-1]
+    progress = captured.err.splitlines()
+    assert progress[0] == ("mtpmeta bench: checking reference, direct, mirror against each "
+                           "other on 2 steps ...")
+    assert "mtpmeta bench: timing 1 interleaved passes of every row (2 steps each) ..." \
+        in progress
+    assert all(line.startswith("mtpmeta bench: ") for line in progress), progress
+    assert "mtpmeta bench: " not in printed.replace("mtpmeta bench: standard step", "")
+
+
+def test_targets_flag_width_sweep_plot_writes_a_png(tmp_path, capsys, monkeypatch):
+    """``--width-sweep --plot`` used to ignore the width sweep and run (and draw) the
+    batch sweep alone; now the PNG holds the width sweep, no batch sweep runs, and
+    --targets prints each target under its note. Tiny widths and N keep it fast."""
+    from mtpmeta.bench import sweep_width
+
+    monkeypatch.setattr(sweep_width, "WIDTHS", (16, 32))
+    monkeypatch.setattr(sweep_width, "ACTIVE", 4)
+    png = tmp_path / "width.png"
+    assert bench.main([*SMALL_FLAGS, "--no-per-call", "--width-sweep", "--targets",
+                       "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    captured = capsys.readouterr()
+    assert "per draft depth over the table width (N 4;" in captured.out
+    assert "sweep reference" not in captured.out  # the batch sweep did not run
+    assert "mtpmeta bench: batch sweep" not in captured.err
+    assert "mtpmeta bench: width sweep: one draft depth at W 16, 32 (N 4) ..." in \
+        captured.err.splitlines()
+    assert "MISSED means slower" in captured.out
+    assert sum(line.startswith("target: ") for line in captured.out.splitlines()) == 4
+    assert f"wrote {png}" in captured.out
+    assert captured.out.splitlines()[-1].startswith("verdict: direct and mirror wrote")
+
+
+def test_plot_draws_each_sweep_with_its_per_pass_spread(tmp_path, monkeypatch):
+    """Each point is the median with bars from the lowest to the highest pass (not a
+    single sample); one panel per sweep given."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.axes
+
+    from mtpmeta.bench.plots import Panel, plot
+
+    drawn = []
+    real = matplotlib.axes.Axes.errorbar
+    monkeypatch.setattr(matplotlib.axes.Axes, "errorbar",
+                        lambda self, x, y, yerr=None, **kw: drawn.append((x, y, yerr))
+                        or real(self, x, y, yerr=yerr, **kw))
+    series = {"direct": {128: 12.0, 8192: 294.0}, "mirror": {128: 50.0, 8192: 52.0}}
+    spread = {"direct": {128: (10.0, 15.0), 8192: (290.0, 300.0)},
+              "mirror": {128: (49.0, 60.0), 8192: (52.0, 52.0)}}
+    png = tmp_path / "two.png"
+    plot([Panel("width", "W", "µs", series, spread, passes=5, log_x=True),
+          Panel("batch", "N", "µs", series, spread, passes=2)], str(png))
+    assert png.stat().st_size > 10_000
+    assert len(drawn) == 4
+    x, y, yerr = drawn[0]
+    assert (x, y) == ([128, 8192], [12.0, 294.0])
+    assert yerr == [[2.0, 4.0], [3.0, 6.0]]  # below and above each median
+
+
+def test_target_summary_counts_what_was_met():
+    from mtpmeta.bench.report import target_summary
+
+    line = " ".join(target_summary(["a: met", "b: MISSED", "c: MISSED"]).split())
+    assert line.startswith("targets: 1 of 3 met. They are this design's speed")
+    assert "a busy or small CPU host" in line and "--targets lists each one" in line
 
 
 def test_bench_on_a_gpu_compares_the_reference_with_the_mirror_path():

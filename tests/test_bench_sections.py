@@ -90,11 +90,51 @@ def test_width_sweep_reports_the_mirror_bytes_flat_over_widths():
     or µs are reported for every width. Wall clock here (no callgrind in the test)."""
     from mtpmeta.bench.sweep_width import format_width_sweep, width_sweep
 
-    result = width_sweep((16, 128), active=8, repeats=1, instructions=False)
+    spread = {}
+    result = width_sweep((16, 128), active=8, repeats=2, instructions=False,
+                         spread=spread)
     assert result["h2d_bytes_per_depth"][16] == result["h2d_bytes_per_depth"][128] > 0
     assert set(result["per_depth"]) == {"mirror", "direct", "reference"}
     assert all(set(row) == {16, 128} for row in result["per_depth"].values())
     assert "W 128 / W 16" in format_width_sweep(result)
+    assert "(target <= 1.2x; the target is for instruction counts (--instructions)" in \
+        format_width_sweep(result)
+    # The plot's bars: each cell's lowest and highest of the 2 passes around its median.
+    assert set(spread) == set(result["per_depth"])
+    for path, row in result["per_depth"].items():
+        for width, median in row.items():
+            low, high = spread[path][width]
+            assert low <= median <= high
+    assert "spread" not in result  # the JSON keeps its keys
+
+
+def test_batch_sweep_fills_the_per_pass_spread():
+    from mtpmeta.bench.measure import sweep
+
+    config = StepConfig(max_requests=32, active=16, block_columns=16, block_size=16,
+                        prefill_tokens=32, depths=2)
+    spread = {}
+    result = sweep(config, [4, 8], 2, torch.device("cpu"), 1, spread=spread)
+    assert set(spread) == set(result) == {"reference", "direct", "mirror"}
+    for name, row in result.items():
+        assert set(spread[name]) == {4, 8}
+        for active, median in row.items():
+            low, high = spread[name][active]
+            assert low <= median <= high
+
+
+def test_fresh_shapes_explain_a_path_slower_than_the_reference():
+    from mtpmeta.bench.fresh_shapes import format_fresh_shapes
+
+    result = {"count": 4, "fresh_us_per_step": {"reference": 100.0, "direct": 20.0,
+                                                "mirror": 128.0},
+              "repeated_us_per_step": {"reference": 90.0, "direct": 5.0, "mirror": 40.0}}
+    text = " ".join(format_fresh_shapes(result).split())
+    assert "reference/path fresh 0.78x" in text
+    assert ("reference/path below 1x (mirror): slower than the reference when no shape "
+            "repeats, because each new shape builds that path's plans") in text
+    result["fresh_us_per_step"]["mirror"] = 60.0
+    assert "below 1x" not in format_fresh_shapes(result)
 
 
 def test_production_section_counts_bytes_and_ops_of_every_row():

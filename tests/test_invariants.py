@@ -304,6 +304,65 @@ def test_draft_rows_read_the_annotations_of_the_declared_offset(path):
         meta.check_invariants()
 
 
+def _commit_then_draft(meta, view, starts):
+    """Issue 25's scheduler: row 0 paused, rows 1 and 2 active. The commit pass writes
+    request 0 (TABLE[1]) positions 0..5 and request 1 (TABLE[2]) 3..6, the pass is
+    checked, then a three-deep draft loop from ``starts``; every depth is checked."""
+    meta.draft_annotation_offset = 1
+    meta.setup_commit_pass(view, [6, 4], TABLE[1:3], start_positions=[0, 3],
+                           inherited_blocks=meta.request_matched_prefix_blocks[1:3])
+    meta.check_invariants()
+    meta.end_forward()
+    meta.begin_decode(2, 2, starts, TABLE[1:3], False)
+    for _ in range(3):
+        meta.setup_decode_step(view)
+        meta.check_invariants()
+        meta.advance_decode_step()
+
+
+def test_a_draft_loop_never_overwrites_what_the_commit_pass_before_it_wrote(path):
+    """begin_decode given the per-row start positions [2, 6, 7] (row 0 is paused)
+    instead of the active requests' start + count [6, 7]: request 0 drafts at 2, into
+    block 6 local 2 that the pass just committed, and nothing used to say so. The
+    correct starts pass, and so does a loop begun after another view-writing call (only
+    the loop right after the pass is compared with it)."""
+    meta, view = _checked_meta(path)
+    meta.request_matched_prefix_blocks[2] = 1
+    _commit_then_draft(meta, view, np.array([6, 7]))
+    meta.end_forward()
+    per_row = np.array([2, 6, 7])
+    with pytest.raises(InvariantError, match=r"^committed KV: draft token 0 \(draft row 0, "
+                                             r"position 2\) of the last decode forward "
+                                             r"writes block 6 local 2, a slot the commit "
+                                             r"pass before this draft loop wrote \(its "
+                                             r"token 2\): .*start_positions"):
+        _commit_then_draft(meta, view, per_row)
+
+    meta, view = _checked_meta(path)  # the object above still holds the bad depth
+    meta.setup_commit_pass(view, [6, 4], TABLE[1:3], start_positions=[0, 3])
+    meta.check_invariants()
+    meta.end_forward()
+    meta.write_mha_metadata(view, [1], [1], TABLE[:1], 1)  # a call between: not compared
+    meta.begin_decode(2, 2, per_row, TABLE[1:3], False)
+    meta.setup_decode_step(view)
+    meta.check_invariants()
+
+
+def test_debug_checks_report_the_overwrite_at_the_draft_depth(path):
+    """With the checks installed (what MTPMETA_DEBUG=1 does) the setup call of the
+    depth that overwrites committed KV raises; the calls before it pass."""
+    debug_cls = type("DebugMTPMetadata", (MTPMetadata,), {})
+    install_debug_checks(debug_cls)
+    meta = debug_cls(**config())
+    meta.allocate("cpu", mirror=(path == "mirror"))
+    view, _ = make_views(meta)
+    meta.setup_commit_pass(view, [6, 4], TABLE[1:3], start_positions=[0, 3])
+    meta.end_forward()
+    meta.begin_decode(2, 2, np.array([2, 6, 7]), TABLE[1:3], False)
+    with pytest.raises(InvariantError, match=r"^committed KV: draft token 0 "):
+        meta.setup_decode_step(view)
+
+
 @pytest.mark.parametrize("value", [-1, W + 1])
 def test_annotations_stay_within_the_block_table(path, value):
     """A prefix-match count outside [0, W] cannot describe a block-table row."""

@@ -366,6 +366,104 @@ def test_inherited_blocks_may_cover_the_whole_table(path):
     assert view.token_to_block_idx[:3].tolist() == [D, D, D]
 
 
+# ------------------------- 1.5b the whole annotation buffer with paused rows first
+# Issue 25: rows [0, 1) paused, row 1 active with no prefix hit, row 2 active with one
+# inherited block (TABLE row 2 = [30, 31, ...]: block 30 is shared). The active slice
+# [1:3] reads [0, 1]; the whole buffer reads [0, 0] and let request 1 write block 30.
+PAUSED = 1
+_WHOLE_FORMS = {
+    "tensor": lambda a: a,
+    "prefix view": lambda a: a[:3],
+    "numpy": lambda a: a.numpy(),
+}
+
+
+def _paused_first(path):
+    meta, view = _primed(path)
+    meta.end_forward()
+    meta.request_matched_prefix_blocks[:3] = torch.tensor([0, 0, 1], dtype=torch.int32)
+    meta.draft_annotation_offset = PAUSED
+    return meta, view
+
+
+@pytest.mark.parametrize("form", sorted(_WHOLE_FORMS))
+def test_whole_annotation_buffer_with_paused_rows_first_is_refused(path, form):
+    """The buffer itself from row 0 while draft_annotation_offset says rows are paused:
+    a ValueError naming inherited_blocks and the slice to pass, nothing written. It
+    used to be accepted, and request 1's position 3 (column 0 of TABLE[2]) went to the
+    shared block 30 in both calls."""
+    meta, view = _paused_first(path)
+    whole = _WHOLE_FORMS[form](meta.request_matched_prefix_blocks)
+    match = (r"inherited_blocks is request_matched_prefix_blocks from row 0, but "
+             r"draft_annotation_offset = 1 says the first 1 rows are paused: pass the "
+             r"active slice request_matched_prefix_blocks\[1:total\]")
+    _refused(meta, [view], lambda: meta.setup_commit_pass(
+        view, [6, 4], TABLE[1:], start_positions=[0, 3], inherited_blocks=whole),
+        ValueError, "setup_commit_pass: " + match)
+    _refused(meta, [view], lambda: meta.write_token_maps(
+        view, [1, 1], [3, 4], TABLE[1:], 2, inherited_blocks=whole),
+        ValueError, "write_token_maps: " + match)
+
+
+def test_the_active_slice_and_the_upstream_whole_buffer_without_paused_rows_pass(path):
+    """Positive controls: the active slice redirects request 1's inherited column to D;
+    with draft_annotation_offset 0 (no paused rows) the whole buffer, upstream's
+    ``[>= P]`` signature, is read from row 0 as before."""
+    meta, view = _paused_first(path)
+    annotations = meta.request_matched_prefix_blocks
+    meta.setup_commit_pass(view, [6, 4], TABLE[1:], start_positions=[0, 3],
+                           inherited_blocks=annotations[PAUSED:3])
+    assert view.token_to_block_idx[:10].tolist() == [20, 20, 20, 20, 21, 21, D, 31, 31, 31]
+    meta.end_forward()
+    meta.write_token_maps(view, [1, 1], [3, 4], TABLE[1:], 2,
+                          inherited_blocks=annotations[PAUSED:3].numpy())
+    assert view.token_to_block_idx[:2].tolist() == [D, 31]
+    meta.draft_annotation_offset = 0
+    annotations[:3] = torch.tensor([0, 1, 0], dtype=torch.int32)  # rows 0, 1 active
+    meta.setup_commit_pass(view, [2, 2], TABLE, start_positions=[3, 3],
+                           inherited_blocks=annotations)
+    assert view.token_to_block_idx[:4].tolist() == [10, 11, D, 21]
+    meta.check_invariants()
+
+
+# ---------------------------------------------- 1.5c messages a newcomer meets (25 §4)
+def test_annotations_after_deallocate_read_none_and_say_what_to_call():
+    """The contract keeps the buffers None after deallocate(), so ``x[0] = 3`` fails on
+    None; the property's docstring says to call allocate(device) and write the
+    annotations again, and every row method says the same in a NotAllocatedError."""
+    from mtpmeta import NotAllocatedError
+
+    meta = make_metadata()
+    meta.deallocate()
+    assert meta.request_matched_prefix_blocks is None
+    doc = " ".join(MTPMetadata.request_matched_prefix_blocks.__doc__.split())
+    assert "None before allocate() and after deallocate()" in doc
+    assert "call allocate(device) first, then write the annotations again" in doc
+    for name, call in (("reset_request_rows", lambda: meta.reset_request_rows([0])),
+                       ("move_request_rows", lambda: meta.move_request_rows([0], [1])),
+                       ("swap_request_rows", lambda: meta.swap_request_rows([0], [1]))):
+        with pytest.raises(NotAllocatedError, match=rf"^{name}: buffers are not "
+                                                    r"allocated; call allocate\(device\)"):
+            call()
+
+
+def test_a_device_input_on_another_device_names_the_device_it_got():
+    """The mirror path's device route said only "every input must be a tensor on cpu";
+    a meta tensor (or a list beside one) is now named."""
+    meta, view = _primed("mirror")
+    on_meta = torch.zeros(2, dtype=torch.int32, device="meta")
+    table = torch.zeros((2, W), dtype=torch.int32, device="meta")
+    _refused(meta, [view], lambda: meta.write_token_maps(view, on_meta, on_meta, table, 2),
+             ValueError, r"^rows: with device inputs every input must be a tensor on cpu, "
+                         r"got a tensor on meta$")
+    _refused(meta, [view], lambda: meta.begin_decode(2, 2, on_meta, table, False),
+             ValueError, r"^start_positions: .* tensor on cpu, got a tensor on meta$")
+    from mtpmeta.inputs import check_device_tensors  # a list beside a device tensor
+
+    with pytest.raises(ValueError, match=r"^positions: .* tensor on cpu, got a list$"):
+        check_device_tensors(torch.device("cpu"), (("positions", [0, 1], 1),))
+
+
 # ------------------------------------------------------------------------ 1.6 flags
 @pytest.mark.parametrize("bad", ["yes", 1, None, "no"])
 def test_enabled_must_be_a_bool(bad):

@@ -15,8 +15,10 @@ instructions per step under callgrind (``mtpmeta.bench.instructions``), a measur
 not move with machine load.
 
 This module is the command line and the order of the sections; the rows and their
-agreement check are ``variants``, the timing ``measure``, the printed table and targets
-``report``, the option checks ``usage``. Every option is checked before any work.
+agreement check are ``variants``, the timing ``measure``, the printed table, targets
+and verdict ``report``, the figure ``plots``, the option checks ``usage``. Every option
+is checked before any work. Stdout holds the results and ends with a one-line verdict;
+each section announces itself on stderr before its work (progress, not results).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from .measure import cold_start, load_now, machine_load, measure, sweep
-from .report import LEGEND, TARGETS_NOTE, load_lines, plot, spread_line, table, target_lines
+from .report import (LEGEND, TARGETS_NOTE, load_lines, spread_line, table, target_lines,
+                     target_summary, verdict_line)
 from .usage import (ToolParser, device_problem, missing_module, output_problem, parse,
                     positive_int, usage_error)
 from .variants import check_identical, floor_matches, implementations
@@ -79,8 +82,13 @@ def _parser() -> ToolParser:
     parser.add_argument("--sweep", action="store_true",
                         help="also time each path over batch sizes 8-256")
     parser.add_argument("--plot", metavar="PNG",
-                        help="draw the sweep to PNG (implies --sweep; needs the plot "
-                             "extra, matplotlib)")
+                        help="draw the sweeps that ran to PNG, median and per-pass "
+                             "spread: the width sweep with --width-sweep, the batch "
+                             "sweep with --sweep (implied when --width-sweep is not "
+                             "given); needs the plot extra, matplotlib")
+    parser.add_argument("--targets", action="store_true",
+                        help="print each performance target with its figures (without "
+                             "it: one line, how many were met)")
     parser.add_argument("--threads", type=positive_int, default=1,
                         help="torch intra-op threads (1: OpenMP wake-ups on a busy host "
                              "make CPU timings of both sides noisy)")
@@ -159,17 +167,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     torch.set_num_threads(args.threads)
     steps = make_steps(config, args.steps or (4 if args.quick else 8), seed=args.seed)
     repeats = args.repeats or (5 if args.quick else 30)
+    names = implementations(device)
+    _note(f"checking {', '.join(names)} against each other on {len(steps)} steps")
     mismatch = check_identical(config, steps, device)
     if mismatch:
         print(f"mtpmeta bench: RESULTS DIFFER: {mismatch}", file=sys.stderr)
         return 1
-    print(f"views identical across {', '.join(implementations(device))} (torch and numpy "
+    print(f"views identical across {', '.join(names)} (torch and numpy "
           f"inputs, eager and graphed; {len(steps)} steps)")
     on_cpu = device.type == "cpu"
     if on_cpu and not floor_matches(config, steps):
         print("mtpmeta bench: the kernel floor step differs from the direct path",
               file=sys.stderr)
         return 1
+    _note(f"timing {repeats} interleaved passes of every row ({len(steps)} steps each)")
     progress = _progress(repeats)
     load_before = load_now()
     results, floors = measure(config, steps, repeats, device, progress,
@@ -184,6 +195,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(line)
     from .captured import format_captured, measure_captured  # the captured draft loop
 
+    _note("timing the captured draft loop")
     captured = measure_captured(config, steps, repeats, device)
     print(format_captured(captured, config.depths))
     output: Dict[str, Any] = {"config": asdict(config), "device": str(device),
@@ -197,17 +209,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     if on_cpu and not args.no_per_call:
         from .percall import format_input_cost, input_cost as measure_input_cost
 
+        _note("timing torch against numpy inputs per call")
         input_cost = measure_input_cost(config, repeats=5 if args.quick else 9,
                                         number=300 if args.quick else 2000)
         output["input_cost"] = input_cost
         print(format_input_cost(input_cost))
     targets = target_lines(results, floors, input_cost, config.depths)
     output["targets"] = targets
-    if targets:
+    if targets and args.targets:
         print(TARGETS_NOTE)
-    for line in targets:
-        print(f"target: {line}")
+        for line in targets:
+            print(f"target: {line}")
+    elif targets:
+        print(target_summary(targets))
     if on_cpu and not args.no_cold_start:
+        _note("cold start: a new process with an empty numba cache, then warm")
         cold = output["cold_start"] = cold_start(config, warm_runs=1 if args.quick else 3)
         print(f"cold start (new process, imports + first step): {cold['cold_s']:.2f} s "
               f"with an empty numba cache (compiling {cold['cache_files_written']} cache "
@@ -216,25 +232,56 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.instructions:
         from .instructions import count_step_instructions, format_instructions
 
+        _note("counting instructions under callgrind")
         output["instructions"] = count_step_instructions(config, steps=len(steps),
                                                          seed=args.seed)
         print(format_instructions(output["instructions"]))
     from . import extra_sections  # issue 17's rows: per-call ops, fresh shapes, ...
-    output.update(extra_sections.run(args, config))
-    if args.sweep or args.plot:
+    spreads: Dict[str, Any] = {"width": {}, "sweep": {}}
+    output.update(extra_sections.run(args, config, _note, spreads["width"]))
+    sweep_passes = max(2, repeats // 5)
+    if args.sweep or (args.plot and not args.width_sweep):
         actives = [8, 32, 64, 128, 192, 256] if not args.quick else [8, 64, 192]
-        output["sweep"] = sweep(config, actives, max(2, repeats // 5), device,
-                                2 if args.quick else 4)
+        _note(f"batch sweep over {', '.join(map(str, actives))} active requests")
+        output["sweep"] = sweep(config, actives, sweep_passes, device,
+                                2 if args.quick else 4, spread=spreads["sweep"])
         for name, series in output["sweep"].items():
             print(f"sweep {name:<10}" + "  ".join(f"{a}:{us:.0f}µs" for a, us in series.items()))
-        if args.plot:
-            plot(output["sweep"], args.plot)
-            print(f"wrote {args.plot}")
+    if args.plot:
+        _plot(args, output, spreads, sweep_passes, 5 if args.quick else 15)
+        print(f"wrote {args.plot}")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(output, handle, indent=2)
         print(f"wrote {args.json}")
+    print(verdict_line(results, names, len(steps)))
     return 0
+
+
+def _note(text: str) -> None:
+    """Progress on stderr: the section about to run (stdout keeps the results)."""
+    print(f"mtpmeta bench: {text} ...", file=sys.stderr, flush=True)
+
+
+def _plot(args, output: Dict[str, Any], spreads: Dict[str, Any], sweep_passes: int,
+          width_passes: int) -> None:
+    """The ``--plot`` figure: a panel per sweep that ran, medians with per-pass spread."""
+    from .plots import Panel, plot
+
+    panels = []
+    if "width_sweep" in output:
+        width = output["width_sweep"]
+        timed = width["unit"] != "instructions"
+        panels.append(Panel(f"one draft depth over the table width (N {width['active']})",
+                            "block-table width W (max_kv_block_count)",
+                            "µs per depth" if timed else "instructions per depth",
+                            width["per_depth"], spreads["width"],
+                            passes=width_passes if timed else 1, log_x=True))
+    if "sweep" in output:
+        panels.append(Panel("host cost per standard step", "active requests",
+                            "µs per step", output["sweep"], spreads["sweep"],
+                            passes=sweep_passes))
+    plot(panels, args.plot)
 
 
 def _progress(total: int):

@@ -11,6 +11,7 @@ next to the same paths replaying one repeated shape, in the same run.
 from __future__ import annotations
 
 import statistics
+import textwrap
 import time
 from dataclasses import replace
 from typing import Any, Dict, List, Tuple
@@ -108,4 +109,12 @@ def format_fresh_shapes(result: Dict[str, Any]) -> str:
                      f"{repeated[path]:>9,.0f}   fresh/repeated "
                      f"{fresh[path] / repeated[path]:>5.2f}x   reference/path fresh "
                      f"{fresh['reference'] / fresh[path]:>5.2f}x")
+    slower = [path for path in fresh if fresh[path] > fresh["reference"]]
+    if slower:
+        lines.append(textwrap.fill(
+            f"  reference/path below 1x ({', '.join(slower)}): slower than the reference "
+            f"when no shape repeats, because each new shape builds that path's plans "
+            f"(layouts, copy plans, views) and every pass starts from new objects; an "
+            f"engine repeats its shapes, which the repeated column times",
+            width=88, subsequent_indent="    "))
     return "\n".join(lines)

@@ -218,8 +218,10 @@ def measure(config: StepConfig, steps: List[StepInputs], repeats: int,
 
 
 def sweep(config: StepConfig, actives: List[int], repeats: int, device: torch.device,
-          steps: int) -> Dict[str, Dict[int, float]]:
-    """µs per step of each path (torch inputs, eager) over batch sizes."""
+          steps: int, spread: Optional[Dict[str, Dict[int, Tuple[float, float]]]] = None
+          ) -> Dict[str, Dict[int, float]]:
+    """Median µs per step of each path (torch inputs, eager) over batch sizes; a
+    ``spread`` dict given gets each cell's lowest and highest pass (for the plot)."""
     results: Dict[str, Dict[int, float]] = {name: {} for name in implementations(device)}
     for active in actives:
         sized = replace(config, active=active,
@@ -227,7 +229,11 @@ def sweep(config: StepConfig, actives: List[int], repeats: int, device: torch.de
         rows, _ = measure(sized, make_steps(sized, steps), repeats, device,
                           with_floor=False)
         for name in results:
-            results[name][active] = rows[Variant(name).label]["us_per_step"]
+            row = rows[Variant(name).label]
+            results[name][active] = row["us_per_step"]
+            if spread is not None:
+                passes = row["us_by_pass"]
+                spread.setdefault(name, {})[active] = (min(passes), max(passes))
     return results
 
 
