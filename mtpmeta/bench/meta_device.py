@@ -10,9 +10,11 @@ than it is. :func:`cpp_meta_kernels` destroys that library for the duration of a
 (the rest of the process is unaffected; CPU kernels never change).
 
 An op with no C++ ``Meta`` (nor ``CompositeExplicitAutograd``) kernel would then have
-none: ``floor_divide`` (Tensor, Scalar) gets a one-call redirect to ``div(...,
-rounding_mode="floor")`` (same dtype and shape rules); any other such op keeps its
-Python kernel, and :func:`meta_setup_report` lists which the measured paths hit.
+none. Those the measured paths use get a thin kernel with the C++ kernel's shape and
+dtype rules (``floor_divide`` redirects to ``div(..., rounding_mode="floor")``;
+``index_select``, ``where``, ``max``, ``logical_or.out``, ``repeat_interleave`` size
+their output directly); any other such op keeps its Python kernel, and
+:func:`meta_setup_report` lists which the measured paths hit.
 """
 
 from __future__ import annotations
@@ -32,13 +34,45 @@ def _registry():
     return registrations
 
 
-def _floor_divide(a: Any, b: Any) -> torch.Tensor:
-    return torch.div(a, b, rounding_mode="floor")
+def _floor_divide(a: Any, b: Any, *, out: Any = None) -> torch.Tensor:
+    if out is None:
+        return torch.div(a, b, rounding_mode="floor")
+    return torch.div(a, b, rounding_mode="floor", out=out)
 
 
-#: Thin meta kernels for ops whose only meta kernel is the Python one.
+def _shape(*values: Any):
+    return torch.broadcast_shapes(*(v.shape for v in values if isinstance(v, torch.Tensor)))
+
+
+def _index_select(x: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
+    shape = list(x.shape)
+    if shape:
+        shape[dim] = index.numel()
+    return x.new_empty(shape)
+
+
+def _where(condition: torch.Tensor, x: Any, y: Any) -> torch.Tensor:
+    return torch.empty(_shape(condition, x, y), dtype=torch.result_type(x, y),
+                       device="meta")
+
+
+def _logical_or_out(x: torch.Tensor, y: Any, *, out: torch.Tensor) -> torch.Tensor:
+    return out.resize_(_shape(x, y))
+
+
+def _repeat_interleave(repeats: torch.Tensor, *, output_size: Any = None) -> torch.Tensor:
+    if output_size is None:
+        raise RuntimeError("repeat_interleave on meta needs output_size")
+    return repeats.new_empty((output_size,), dtype=torch.int64)
+
+
+#: Thin meta kernels (the C++ kernels' shape and dtype rules: one Python hop, no
+#: decomposition) for ops the measured paths use whose only meta kernel is Python.
 _REDIRECTS: Dict[str, Callable[..., torch.Tensor]] = {
-    "floor_divide": _floor_divide, "floor_divide.Scalar": _floor_divide}
+    "floor_divide": _floor_divide, "floor_divide.Scalar": _floor_divide,
+    "floor_divide.out": _floor_divide, "index_select": _index_select,
+    "where.self": _where, "max": lambda x: x.new_empty(()),
+    "logical_or.out": _logical_or_out, "repeat_interleave.Tensor": _repeat_interleave}
 
 
 def _overload(entry: str):

@@ -69,19 +69,25 @@ class Replay:
         self.path, self.config = path, config
         self.meta, self.view = _build(path, config, device)
         self.table = torch.full((config.max_requests, config.block_columns), -1,
-                                dtype=torch.int32, device=table_device)
+                                dtype=torch.int32)
+        self.draft_table = (self.table if table_device == "cpu" else
+                            self.table.to(table_device))  # begin_decode's
         self.known = known  # per step, for a reference on meta
         self.captured = path == "captured"
         self.depths = depths or not self.captured
 
     def reset(self) -> None:
         self.table.fill_(-1)
+        if self.draft_table is not self.table:
+            self.draft_table.fill_(-1)
 
     def prepare(self, index: int, step: TraceStep) -> None:
         """Untimed: this step's table rows, and the reference's known read-backs."""
         if step.table_rows.numel():
-            self.table[step.table_rows.to(self.table.device)] = step.table_values.to(
-                self.table.device)
+            self.table[step.table_rows] = step.table_values
+            if self.draft_table is not self.table:
+                device = self.draft_table.device
+                self.draft_table[step.table_rows.to(device)] = step.table_values.to(device)
         if self.known is not None:
             self.meta.known = iter(self.known[index])
 
@@ -103,6 +109,7 @@ class Replay:
         meta.end_forward()
         if step.carry is not None:
             meta.carry_chunk_boundary(*step.carry)
+        table = self.draft_table
         if self.captured:
             meta.begin_decode(step.active, step.padded, step.start_positions, table, True,
                               capture_setup=True)
@@ -136,14 +143,13 @@ def known_syncs(config: TraceConfig, trace: List[TraceStep]) -> List[List[int]]:
 
 
 def device_inputs(trace: List[TraceStep], device: str) -> List[TraceStep]:
-    """The trace with start positions, counts, commit starts and inherited blocks as
-    ``device`` tensors (the device-input route)."""
+    """The trace with the draft loop's start positions as ``device`` tensors (the
+    device-input route; a replay with ``table_device`` gives ``begin_decode`` a device
+    table too). The commit pass keeps host inputs: ``setup_commit_pass`` reads device
+    inputs back (contract §8, one sync each), which the meta device cannot do."""
     from dataclasses import replace
 
-    return [replace(s, start_positions=s.start_positions.to(device),
-                    append_counts=s.append_counts.to(device),
-                    commit_starts=s.commit_starts.to(device),
-                    inherited=s.inherited.to(device)) for s in trace]
+    return [replace(s, start_positions=s.start_positions.to(device)) for s in trace]
 
 
 class DeviceOpCounter(OpCounter):
@@ -153,9 +159,11 @@ class DeviceOpCounter(OpCounter):
     def __init__(self) -> None:
         super().__init__()
         self.device_data_ops = 0
+        self.overloads: set = set()  # every OpOverload dispatched
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         result = super().__torch_dispatch__(func, types, args, kwargs)
+        self.overloads.add(func)
         if not func.is_view:
             values, _ = tree_flatten((args, kwargs or {}, result))
             if any(isinstance(v, torch.Tensor) and not v.is_cpu for v in values):
