@@ -57,7 +57,7 @@ class TraceConfig:
     output_median: float = 1500.0
     context_median: float = 1500.0  # of the requests running at step 0
     sigma: float = 0.8
-    arrival_rate: float = 0.5
+    arrival_rate: float = 0.47
     prefix_hit_rate: float = 0.4
     swap_rate: float = 0.3
     hidden_size: int = 64

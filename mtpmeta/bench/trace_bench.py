@@ -11,8 +11,9 @@ reference on the same device, device data ops, syncs and CUDA event/stream calls
 step (``CountingRuntime``), and the launch-cost estimate "meta µs + 4 µs per device
 data op". The reference's read-backs on meta are answered from the host
 (``HostKnownReference``): ``syncs`` counts them, upstream's syncs per step. On the
-standard trace it also times the device-input route (start positions, counts and
-table already meta tensors) through the fused calls.
+standard trace it also times the device-input route (the draft loop's start positions
+and table already meta tensors) through the fused calls, and "the drop-in": upstream's
+helper sequence calling mtpmeta's individual writers with device inputs.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ ROWS = (("reference", "reference", "meta", False), ("mirror", "mirror", "meta", 
         ("direct", "direct", "cpu", False), ("mirror", "mirror", "cpu", False),
         ("captured", "captured", "cpu", False))
 DEVICE_ROWS = (("reference, device inputs", "reference", "meta", True),
-               ("mirror, device inputs", "mirror", "meta", True))
+               ("mirror, device inputs", "mirror", "meta", True),
+               ("drop-in, device inputs", "drop-in", "meta", True))
 
 
 def trace_geometries(quick: bool) -> Dict[str, tuple]:
@@ -83,13 +85,14 @@ def _counts(replay: Replay, trace: List[TraceStep]) -> Dict[str, Any]:
 
 
 def _runtime_calls(path: str, config: TraceConfig, trace: List[TraceStep],
-                   device: str, on_device: bool) -> Optional[Dict[str, float]]:
-    if path not in ("mirror", "captured") or device == "cpu":
+                   device: str, on_device: bool,
+                   known: Optional[List[List[int]]]) -> Optional[Dict[str, float]]:
+    if path not in ("mirror", "captured", "drop-in") or device == "cpu":
         return None
     runtime = CountingRuntime()
     with use_runtime(runtime):
         replay = Replay(path, config, torch.device(device),
-                        table_device=device if on_device else "cpu")
+                        table_device=device if on_device else "cpu", known=known)
     replay.replay(trace)
     calls = {kind: count / len(trace) for kind, count in runtime.calls.items()}
     calls["total"] = sum(calls.values())
@@ -115,7 +118,8 @@ def measure_trace(config: TraceConfig, steps: int, *, repeats: int = 5, seed: in
             key = f"{label} @{device}"
             replays[key] = Replay(path, config, torch.device(device),
                                   table_device=device if on_device else "cpu",
-                                  known=known if (path == "reference" and device == "meta")
+                                  known=known if (path in ("reference", "drop-in")
+                                                  and device == "meta")
                                   else None)
             inputs[key] = meta_trace if on_device else trace
         counts, used = {}, set()
@@ -142,7 +146,7 @@ def measure_trace(config: TraceConfig, steps: int, *, repeats: int = 5, seed: in
                    "device_inputs": on_device, "median_us": statistics.median(per_step),
                    "p90_us": _percentile(per_step, 90), **counts[key],
                    "runtime_calls": _runtime_calls(path, config, inputs[key], device,
-                                                   on_device)}
+                                                   on_device, replays[key].known)}
             if device == "meta":
                 row["launch_estimate_us"] = (row["median_us"]
                                              + LAUNCH_US * row["device_data_ops"])
@@ -174,7 +178,8 @@ def run_trace(args: Any) -> int:
             print(f"mtpmeta bench: RESULTS DIFFER ({name} trace): {mismatch}",
                   file=sys.stderr)
             return 1
-        print(f"{name} trace: direct, mirror and captured leave the reference's view "
+        print(f"{name} trace: direct, mirror, captured and the drop-in leave the "
+              f"reference's view "
               f"and buffers on all {steps} steps (CPU)")
         out[name] = measure_trace(config, steps, repeats=args.repeats or
                                   (2 if args.quick else 5), seed=args.seed,

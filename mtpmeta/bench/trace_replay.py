@@ -27,7 +27,7 @@ from .opcount import OpCounter
 from .trace import TraceConfig, TraceStep
 from .variants import build, state_of
 
-__all__ = ["HostKnownReference", "Replay", "known_syncs", "DeviceOpCounter",
+__all__ = ["HostKnownReference", "DropIn", "Replay", "known_syncs", "DeviceOpCounter",
            "CountingRuntime", "check_trace", "device_inputs"]
 
 
@@ -49,11 +49,41 @@ class HostKnownReference(ReferenceMTPMetadata):
         return next(self.known)
 
 
+class DropIn(HostKnownReference):
+    """"The drop-in": upstream's own helper sequence (the reference's fused calls and
+    device ops) with mtpmeta's individual writers (``write_token_maps``,
+    ``write_mha_metadata`` of a mirror-path ``MTPMetadata`` on the same device) in
+    place of its own; on a device their inputs are device tensors (the device route)."""
+
+    def allocate(self, device: torch.device, *, mirror: Any = None) -> None:
+        from ..metadata import MTPMetadata
+
+        super().allocate(device)
+        self.library = MTPMetadata(**self._kwargs)
+        self.library.allocate(device, mirror=True, max_tokens=self._max_tokens)
+
+    def write_token_maps(self, gpu_view: Any, rows: Any, positions: Any, block_table: Any,
+                         padded_token_count: int, inherited_blocks: Any = None) -> None:
+        device = gpu_view.token_to_pos_ids.device
+        inherited = (None if inherited_blocks is None
+                     else torch.as_tensor(inherited_blocks).to(device))
+        self.library.write_token_maps(gpu_view, rows, positions,
+                                      torch.as_tensor(block_table).to(device),
+                                      padded_token_count, inherited)
+
+    def write_mha_metadata(self, gpu_view: Any, query_lengths: Any, kv_lengths: Any,
+                           block_table: Any, padded_request_count: int) -> None:
+        self.library.write_mha_metadata(gpu_view, query_lengths, kv_lengths, block_table,
+                                        padded_request_count)
+
+
 def _build(path: str, config: TraceConfig, device: torch.device):
     step_config = config.step_config()
-    if path != "reference":
+    if path not in ("reference", "drop-in"):
         return build("mirror" if path == "captured" else path, step_config, device)
-    meta = HostKnownReference(**step_config.metadata_kwargs())
+    cls = DropIn if path == "drop-in" else HostKnownReference
+    meta = cls(**step_config.metadata_kwargs())
+    meta._kwargs, meta._max_tokens = step_config.metadata_kwargs(), step_config.max_tokens
     meta.allocate(device)
     _, view = build("reference", step_config, device)
     return meta, view
@@ -224,11 +254,11 @@ class CountingRuntime(TorchRuntime):
 
 def check_trace(config: TraceConfig, trace: List[TraceStep]) -> Optional[str]:
     """Replay ``trace`` on the CPU through the reference, the direct, the mirror and
-    the captured path (its depths run eagerly); describe the first step where one's
+    the captured path (its depths run eagerly) and the drop-in; describe the first step where one's
     view or persistent buffers differ from the reference's, or None."""
     cpu = torch.device("cpu")
     replays = {path: Replay(path, config, cpu, depths=True)
-               for path in ("reference", "direct", "mirror", "captured")}
+               for path in ("reference", "direct", "mirror", "captured", "drop-in")}
     for replay in replays.values():
         replay.reset()
     for index, step in enumerate(trace):
