@@ -12,6 +12,7 @@ count and longest length, and the eager loop's ``max_seqlen_k``) cannot run:
 :class:`HostKnownReference` answers each with the value the host knows, recorded once
 from a CPU replay of the same trace, and counts them (``patched``). Its
 ``repeat_interleave`` gets that token count as ``output_size``, as upstream's does.
+:class:`DropIn` is that sequence with mtpmeta's individual writers in place of its own.
 """
 
 from __future__ import annotations
@@ -55,11 +56,15 @@ class DropIn(HostKnownReference):
     ``write_mha_metadata`` of a mirror-path ``MTPMetadata`` on the same device) in
     place of its own; on a device their inputs are device tensors (the device route)."""
 
-    def allocate(self, device: torch.device, *, mirror: Any = None) -> None:
+    def __init__(self, max_tokens: int, **kwargs: Any) -> None:
         from ..metadata import MTPMetadata
 
+        super().__init__(**kwargs)
+        self.library = MTPMetadata(**kwargs)
+        self._max_tokens = max_tokens
+
+    def allocate(self, device: torch.device, *, mirror: Any = None) -> None:
         super().allocate(device)
-        self.library = MTPMetadata(**self._kwargs)
         self.library.allocate(device, mirror=True, max_tokens=self._max_tokens)
 
     def write_token_maps(self, gpu_view: Any, rows: Any, positions: Any, block_table: Any,
@@ -81,16 +86,17 @@ def _build(path: str, config: TraceConfig, device: torch.device):
     step_config = config.step_config()
     if path not in ("reference", "drop-in"):
         return build("mirror" if path == "captured" else path, step_config, device)
-    cls = DropIn if path == "drop-in" else HostKnownReference
-    meta = cls(**step_config.metadata_kwargs())
-    meta._kwargs, meta._max_tokens = step_config.metadata_kwargs(), step_config.max_tokens
+    kwargs = step_config.metadata_kwargs()
+    meta = (DropIn(step_config.max_tokens, **kwargs) if path == "drop-in"
+            else HostKnownReference(**kwargs))
     meta.allocate(device)
     _, view = build("reference", step_config, device)
     return meta, view
 
 
 class Replay:
-    """One path (``reference``, ``direct``, ``mirror``, ``captured``) on ``device``,
+    """One path (``reference``, ``direct``, ``mirror``, ``captured``, ``drop-in``) on
+    ``device``,
     replaying trace steps with the table on ``table_device`` (default: the host)."""
 
     def __init__(self, path: str, config: TraceConfig, device: torch.device,
