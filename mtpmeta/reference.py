@@ -230,6 +230,12 @@ class ReferenceMTPMetadata:
             )
         return self.chunk_boundary_hidden
 
+    def _host_int(self, value: torch.Tensor) -> int:
+        """``int(value.item())``: a read-back where upstream reads one (a sync on a
+        GPU). A replay on torch's ``meta`` device answers it with the value the host
+        knows (``mtpmeta.bench.trace_replay``)."""
+        return int(value.item())
+
     # ----------------------------------------------------------------- draft loop
     def begin_decode(
         self,
@@ -404,7 +410,7 @@ class ReferenceMTPMetadata:
         if self.graphed:  # the capture-time bound: a replayed kernel never reads less
             max_k = self.max_kv_block_count * self.block_size_tokens
         else:  # upstream floors the launch bounds of an empty forward at 1
-            max_k = int((self.active_offsets.max() + 1).item()) if n > 0 else 1
+            max_k = self._host_int(self.active_offsets.max() + 1) if n > 0 else 1
         return ForwardShape(
             token_count=n,
             padded_token_count=p,
@@ -435,9 +441,10 @@ class ReferenceMTPMetadata:
         device = self.offsets.device
         counts = _on(append_counts, device).reshape(-1).long()  # [P]
         P = counts.numel()
-        T = int(counts.sum().item())
+        T = self._host_int(counts.sum())
 
-        rows = torch.repeat_interleave(torch.arange(P, device=device), counts)  # [T] int64
+        rows = torch.repeat_interleave(torch.arange(P, device=device), counts,
+                                       output_size=T)  # [T] int64
         if start_positions is None:
             starts = torch.zeros(P, dtype=torch.int64, device=device)
         else:
@@ -456,12 +463,12 @@ class ReferenceMTPMetadata:
             # P == R: request P - 1 absorbed the pad, so it attends over more keys than it
             # writes. Its block columns wholly at or past its span's end read the dummy
             # block, never a -1 or an unwritten block (upstream copies the caller's row).
-            span_end = int((starts[P - 1] + counts[P - 1]).item())
+            span_end = self._host_int(starts[P - 1] + counts[P - 1])
             first = -(-span_end // self.block_size_tokens)  # ceil
             gpu_view.mha_block_table[P - 1, first:] = self.dummy_block_idx
         self.forward_mode = MTPForwardMode.COMMIT
         # Upstream floors the launch bounds of an empty forward at 1.
-        max_len = max(int(lengths.max().item()), 1) if m > 0 else 1
+        max_len = max(self._host_int(lengths.max()), 1) if m > 0 else 1
         return ForwardShape(
             token_count=T,
             padded_token_count=padded,

@@ -104,6 +104,8 @@ def _parser() -> ToolParser:
     parser.add_argument("--geometry", choices=("standard", "production"),
                         default="standard", help="production: also the production-like "
                         "row (R 1024, N 768, W 2048) with H2D bytes per step")
+    parser.add_argument("--trace", action="store_true", help="only the seeded "
+                        "continuous-batching trace rows (mtpmeta.bench.trace_bench)")
     parser.add_argument("--width-sweep", action="store_true",
                         help="per-draft-depth cost over W in {128, 512, 2048, 8192}")
     return parser
@@ -159,6 +161,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     problem = _usage_problem(args)
     if problem:
         return usage_error(PROG, problem)
+    if args.trace:
+        from .trace_bench import run_trace
+        return run_trace(args)
     config = StepConfig(max_requests=args.max_requests, active=args.active,
                         depths=args.depths, block_size=args.block_size,
                         block_columns=args.block_columns, prefill_tokens=args.prefill_tokens,

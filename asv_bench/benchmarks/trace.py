@@ -1,0 +1,33 @@
+"""The host's share of a GPU step over the seeded continuous-batching trace
+(``mtpmeta.bench.trace``, standard geometry, short): µs per step of the mirror path and
+of the captured draft loop on torch's ``meta`` device with the C++ meta kernels, over
+the reference's (upstream's op sequence) in the same run, and the same with the launch
+estimate (+4 µs per device data op). Ratios, so a busy machine moves them less than
+the times.
+"""
+
+from mtpmeta.bench.trace import STANDARD_TRACE
+from mtpmeta.bench.trace_bench import measure_trace
+
+STEPS = 16
+
+
+class TrackTraceHostShare:
+    timeout = 600
+
+    def setup_cache(self):
+        return measure_trace(STANDARD_TRACE, STEPS, repeats=2)["rows"]
+
+    def track_mirror_over_reference_meta(self, rows):
+        return rows["mirror @meta"]["median_us"] / rows["reference @meta"]["median_us"]
+
+    def track_captured_over_reference_meta(self, rows):
+        return rows["captured @meta"]["median_us"] / rows["reference @meta"]["median_us"]
+
+    def track_mirror_over_reference_launch_estimate(self, rows):
+        return (rows["mirror @meta"]["launch_estimate_us"]
+                / rows["reference @meta"]["launch_estimate_us"])
+
+    track_mirror_over_reference_meta.unit = "ratio"
+    track_captured_over_reference_meta.unit = "ratio"
+    track_mirror_over_reference_launch_estimate.unit = "ratio"

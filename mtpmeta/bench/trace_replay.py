@@ -1,0 +1,299 @@
+"""Replaying a trace (``mtpmeta.bench.trace``) through each path, and counting it.
+
+A :class:`Replay` is one path's objects plus its own ``[R, W]`` host table: ``prepare``
+applies a step's table rows (untimed), ``run`` makes the step's calls in engine order
+(rows, take, commit pass, carry, draft loop). The captured row's draft loop is its host
+side only (``begin_decode(..., capture_setup=True)`` + ``end_forward``: the graph
+replays are device work the caller launches); with ``depths=True`` it also runs the
+depths eagerly, which is what a replay computes, for the agreement check.
+
+On torch's ``meta`` device the reference's read-backs (``.item()``: the commit's token
+count and longest length, and the eager loop's ``max_seqlen_k``) cannot run:
+:class:`HostKnownReference` answers each with the value the host knows, recorded once
+from a CPU replay of the same trace, and counts them (``patched``). Its
+``repeat_interleave`` gets that token count as ``output_size``, as upstream's does.
+:class:`DropIn` is that sequence with mtpmeta's individual writers in place of its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterator, List, Optional
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from ..reference import ReferenceMTPMetadata
+from ..runtime import TorchRuntime
+from .opcount import OpCounter
+from .trace import TraceConfig, TraceStep
+from .variants import build, state_of
+
+__all__ = ["HostKnownReference", "DropIn", "Replay", "known_syncs", "DeviceOpCounter",
+           "CountingRuntime", "check_trace", "device_inputs"]
+
+
+class HostKnownReference(ReferenceMTPMetadata):
+    """The reference whose read-backs come from ``known`` (an iterator the replay sets
+    per step; None: read them, and append them to ``recorded``)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.known: Optional[Iterator[int]] = None
+        self.recorded: List[int] = []
+        self.patched = 0
+
+    def _host_int(self, value: torch.Tensor) -> int:
+        if self.known is None:
+            self.recorded.append(super()._host_int(value))
+            return self.recorded[-1]
+        self.patched += 1
+        return next(self.known)
+
+
+class DropIn(HostKnownReference):
+    """"The drop-in": upstream's own helper sequence (the reference's fused calls and
+    device ops) with mtpmeta's individual writers (``write_token_maps``,
+    ``write_mha_metadata`` of a mirror-path ``MTPMetadata`` on the same device) in
+    place of its own; on a device their inputs are device tensors (the device route)."""
+
+    def __init__(self, max_tokens: int, **kwargs: Any) -> None:
+        from ..metadata import MTPMetadata
+
+        super().__init__(**kwargs)
+        self.library = MTPMetadata(**kwargs)
+        self._max_tokens = max_tokens
+
+    def allocate(self, device: torch.device, *, mirror: Any = None) -> None:
+        super().allocate(device)
+        self.library.allocate(device, mirror=True, max_tokens=self._max_tokens)
+
+    def write_token_maps(self, gpu_view: Any, rows: Any, positions: Any, block_table: Any,
+                         padded_token_count: int, inherited_blocks: Any = None) -> None:
+        device = gpu_view.token_to_pos_ids.device
+        inherited = (None if inherited_blocks is None
+                     else torch.as_tensor(inherited_blocks).to(device))
+        self.library.write_token_maps(gpu_view, rows, positions,
+                                      torch.as_tensor(block_table).to(device),
+                                      padded_token_count, inherited)
+
+    def write_mha_metadata(self, gpu_view: Any, query_lengths: Any, kv_lengths: Any,
+                           block_table: Any, padded_request_count: int) -> None:
+        self.library.write_mha_metadata(gpu_view, query_lengths, kv_lengths, block_table,
+                                        padded_request_count)
+
+
+def _build(path: str, config: TraceConfig, device: torch.device):
+    step_config = config.step_config()
+    if path not in ("reference", "drop-in"):
+        return build("mirror" if path == "captured" else path, step_config, device)
+    kwargs = step_config.metadata_kwargs()
+    meta = (DropIn(step_config.max_tokens, **kwargs) if path == "drop-in"
+            else HostKnownReference(**kwargs))
+    meta.allocate(device)
+    _, view = build("reference", step_config, device)
+    return meta, view
+
+
+class Replay:
+    """One path (``reference``, ``direct``, ``mirror``, ``captured``, ``drop-in``) on
+    ``device``,
+    replaying trace steps with the table on ``table_device`` (default: the host)."""
+
+    def __init__(self, path: str, config: TraceConfig, device: torch.device,
+                 table_device: str = "cpu", known: Optional[List[List[int]]] = None,
+                 depths: bool = False) -> None:
+        self.path, self.config = path, config
+        self.meta, self.view = _build(path, config, device)
+        self.table = torch.full((config.max_requests, config.block_columns), -1,
+                                dtype=torch.int32)
+        self.draft_table = (self.table if table_device == "cpu" else
+                            self.table.to(table_device))  # begin_decode's
+        self.known = known  # per step, for a reference on meta
+        self.captured = path == "captured"
+        self.depths = depths or not self.captured
+
+    def reset(self) -> None:
+        self.table.fill_(-1)
+        if self.draft_table is not self.table:
+            self.draft_table.fill_(-1)
+
+    def prepare(self, index: int, step: TraceStep) -> None:
+        """Untimed: this step's table rows, and the reference's known read-backs."""
+        if step.table_rows.numel():
+            self.table[step.table_rows] = step.table_values
+            if self.draft_table is not self.table:
+                device = self.draft_table.device
+                self.draft_table[step.table_rows.to(device)] = step.table_values.to(device)
+        if self.known is not None:
+            self.meta.known = iter(self.known[index])
+
+    def run(self, step: TraceStep) -> None:
+        meta, view, table = self.meta, self.view, self.table
+        if step.move_src is not None:
+            meta.move_request_rows(step.move_src, step.move_dst)
+        if step.swap_src is not None:
+            meta.swap_request_rows(step.swap_src, step.swap_dst)
+        if step.reset_rows is not None:
+            meta.reset_request_rows(step.reset_rows)
+        if step.take is not None:
+            meta.take_chunk_boundary(*step.take)
+        meta.setup_commit_pass(view, step.append_counts, table,
+                               start_positions=step.commit_starts,
+                               inherited_blocks=step.inherited,
+                               padded_token_count=step.padded_tokens,
+                               padded_request_count=step.padded_requests)
+        meta.end_forward()
+        if step.carry is not None:
+            meta.carry_chunk_boundary(*step.carry)
+        table = self.draft_table
+        if self.captured:
+            meta.begin_decode(step.active, step.padded, step.start_positions, table, True,
+                              capture_setup=True)
+        else:
+            meta.begin_decode(step.active, step.padded, step.start_positions, table, True)
+        if self.depths:
+            for _ in range(self.config.depths):
+                meta.setup_decode_step(view)
+                meta.advance_decode_step()
+        meta.end_forward()
+
+    def replay(self, trace: List[TraceStep]) -> None:
+        """Every step, untimed (a warm-up or a counting pass)."""
+        self.reset()
+        for index, step in enumerate(trace):
+            self.prepare(index, step)
+            self.run(step)
+
+
+def known_syncs(config: TraceConfig, trace: List[TraceStep]) -> List[List[int]]:
+    """The reference's read-back values per step, from a CPU replay."""
+    replay = Replay("reference", config, torch.device("cpu"))
+    out = []
+    replay.reset()
+    for index, step in enumerate(trace):
+        replay.prepare(index, step)
+        start = len(replay.meta.recorded)
+        replay.run(step)
+        out.append(replay.meta.recorded[start:])
+    return out
+
+
+def device_inputs(trace: List[TraceStep], device: str) -> List[TraceStep]:
+    """The trace with the draft loop's start positions as ``device`` tensors (the
+    device-input route; a replay with ``table_device`` gives ``begin_decode`` a device
+    table too). The commit pass keeps host inputs: ``setup_commit_pass`` reads device
+    inputs back (contract §8, one sync each), which the meta device cannot do."""
+    from dataclasses import replace
+
+    return [replace(s, start_positions=s.start_positions.to(device)) for s in trace]
+
+
+class DeviceOpCounter(OpCounter):
+    """``OpCounter`` that also counts the data ops touching a non-CPU tensor
+    (``device_data_ops``): on a GPU, each is a kernel launch or a copy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.device_data_ops = 0
+        self.overloads: set = set()  # every OpOverload dispatched
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = super().__torch_dispatch__(func, types, args, kwargs)
+        self.overloads.add(func)
+        if not func.is_view:
+            values, _ = tree_flatten((args, kwargs or {}, result))
+            if any(isinstance(v, torch.Tensor) and not v.is_cpu for v in values):
+                self.device_data_ops += 1
+        return result
+
+
+class _Stream:
+    def __init__(self, calls: Dict[str, int]) -> None:
+        self.calls = calls
+
+    def wait_event(self, event: Any) -> None:
+        self.calls["stream.wait_event"] += 1
+
+
+class _Event:
+    def __init__(self, calls: Dict[str, int]) -> None:
+        self.calls = calls
+
+    def record(self, stream: Any = None) -> None:
+        self.calls["event.record"] += 1
+
+    def query(self) -> bool:
+        self.calls["event.query"] += 1
+        return True
+
+    def synchronize(self) -> None:
+        self.calls["event.synchronize"] += 1
+
+
+class CountingRuntime(TorchRuntime):
+    """``TorchRuntime`` that gives any non-CPU device (``meta``) a CUDA-like event and
+    stream and counts every event, stream and ``record_stream`` call."""
+
+    KINDS = ("event", "event.record", "event.query", "event.synchronize",
+             "current_stream", "stream.wait_event", "record_stream")
+
+    def __init__(self) -> None:
+        self.calls: Dict[str, int] = {kind: 0 for kind in self.KINDS}
+        self._stream = _Stream(self.calls)
+
+    def event(self, device: torch.device):
+        if device.type == "cpu":
+            return None
+        self.calls["event"] += 1
+        return _Event(self.calls)
+
+    def current_stream(self, device: torch.device):
+        if device.type == "cpu":
+            return None
+        self.calls["current_stream"] += 1
+        return self._stream
+
+    def record_stream(self, tensor: torch.Tensor, device: torch.device) -> None:
+        if device.type != "cpu":
+            self.calls["record_stream"] += 1
+
+
+def check_trace(config: TraceConfig, trace: List[TraceStep]) -> Optional[str]:
+    """Replay ``trace`` on the CPU through the reference, the direct, the mirror and
+    the captured path (its depths run eagerly) and the drop-in; describe the first step where one's
+    view or persistent buffers differ from the reference's, or None."""
+    cpu = torch.device("cpu")
+    replays = {path: Replay(path, config, cpu, depths=True)
+               for path in ("reference", "direct", "mirror", "captured", "drop-in")}
+    for replay in replays.values():
+        replay.reset()
+    for index, step in enumerate(trace):
+        states = {}
+        for path, replay in replays.items():
+            replay.prepare(index, step)
+            replay.run(step)
+            states[path] = state_of(replay.meta, replay.view)
+        expected = states["reference"]
+        for path, state in states.items():
+            lengths = _captured_lengths(step) if path == "captured" else {}
+            for key, value in expected.items():
+                end = lengths.get(key, value.shape[0])
+                if not torch.equal(state[key][:end], value[:end].to(state[key].dtype)):
+                    return f"trace step {index}: {path} differs from the reference in {key}"
+    return None
+
+
+def _captured_lengths(step: TraceStep) -> Dict[str, int]:
+    """The prefixes a captured draft loop writes as the default route does (contract
+    §12): the padded rows of the pad-masked fields, the ``n`` real rows of the rest; its
+    pad rows past ``n`` hold other (masked) values."""
+    n, padded = step.active, step.padded
+    lengths = dict.fromkeys(("token_to_block_idx", "token_to_local_position_within_kv_block",
+                             "mha_query_lengths", "mha_kv_seq_lengths", "mha_block_table"),
+                            padded)
+    lengths.update(dict.fromkeys(("mha_cu_query_seq_lengths", "mha_cu_kv_seq_lengths"),
+                                 padded + 1))
+    lengths.update(dict.fromkeys(("token_to_request_idx", "token_to_position_in_request",
+                                  "token_to_pos_ids", "offsets", "query_lengths",
+                                  "kv_lengths", "block_table"), n))
+    return lengths

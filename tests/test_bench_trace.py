@@ -1,0 +1,213 @@
+"""The seeded trace of ``mtpmeta bench --trace`` (issue 24): its generator, its replay,
+the meta-device setup and the command line. Counts and bytes only, never times."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import fields
+
+import pytest
+import torch
+
+import mtpmeta.bench.trace_bench as trace_bench
+import mtpmeta.bench.trace_replay as trace_replay
+from mtpmeta.bench import cli as bench_cli
+from mtpmeta.bench.meta_device import cpp_meta_kernels, python_meta_active
+from mtpmeta.bench.opcount import OpCounter
+from mtpmeta.bench.trace import PRODUCTION_TRACE, STANDARD_TRACE, make_trace, \
+    trace_shape_stats
+from mtpmeta.bench.trace_replay import CountingRuntime, Replay, check_trace, known_syncs
+from mtpmeta.runtime import use_runtime
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, tuple):
+        return isinstance(b, tuple) and len(a) == len(b) and all(map(_equal, a, b))
+    return a == b
+
+
+def _same_trace(one, other) -> bool:
+    return len(one) == len(other) and all(
+        _equal(getattr(a, f.name), getattr(b, f.name))
+        for a, b in zip(one, other) for f in fields(a))
+
+
+@pytest.fixture(scope="module")
+def standard():
+    return make_trace(STANDARD_TRACE, seed=0)
+
+
+def test_trace_is_deterministic_for_a_seed(standard):
+    assert _same_trace(make_trace(STANDARD_TRACE, 60, seed=0), standard[:60])
+    assert not _same_trace(make_trace(STANDARD_TRACE, 60, seed=1), standard[:60])
+
+
+def test_standard_trace_changes_shape_every_step(standard):
+    """320 steps: n wanders, many (n, padded) pairs and commit sizes, every kind of
+    call occurs, and almost no two consecutive steps share (n, tokens)."""
+    stats = trace_shape_stats(standard)
+    assert stats["steps"] == 320
+    assert 145 <= stats["active_min"] and stats["active_max"] <= 220
+    assert stats["active_max"] - stats["active_min"] >= 25
+    assert stats["distinct_n_padded"] >= 25 and stats["distinct_commit_tokens"] >= 150
+    for kind in ("moves", "swaps", "resets", "carries", "prefix_hits"):
+        assert stats[kind] >= 20, (kind, stats)
+    repeats = sum((a.active, a.token_count) == (b.active, b.token_count)
+                  for a, b in zip(standard, standard[1:]))
+    assert repeats <= 5
+    assert {s.padded % 8 for s in standard} == {0}
+    assert all(s.padded_tokens % 8 == 0 and s.padded_tokens >= s.token_count
+               for s in standard)
+    accepted = torch.cat([s.append_counts[:s.active] for s in standard])
+    assert set(accepted.tolist()) == set(range(1, STANDARD_TRACE.depths + 2))
+
+
+def test_production_trace_spans_its_batch_range():
+    stats = trace_shape_stats(make_trace(PRODUCTION_TRACE, seed=0))
+    assert stats["steps"] == 160
+    assert 580 <= stats["active_min"] and stats["active_max"] <= 850
+    assert stats["active_max"] - stats["active_min"] >= 100
+    assert stats["distinct_n_padded"] >= 60
+
+
+def test_replay_leaves_every_path_byte_equal_to_the_reference(standard):
+    assert check_trace(STANDARD_TRACE, standard[:24]) is None
+
+
+def test_agreement_check_catches_a_path_given_another_table(standard, monkeypatch):
+    """Negative control: at step 5 the mirror replay's table row 0 holds its blocks in
+    reverse order (still valid ids), so its view must differ from the reference's."""
+    prepare = Replay.prepare
+
+    def planting(self, index, step):
+        prepare(self, index, step)
+        if self.path == "mirror" and index == 5:
+            valid = int((self.table[0] >= 0).sum())
+            assert valid >= 2
+            self.table[0, :valid] = self.table[0, :valid].flip(0).clone()
+
+    monkeypatch.setattr(Replay, "prepare", planting)
+    message = check_trace(STANDARD_TRACE, standard[:8])
+    assert message is not None and "mirror" in message and "step 5" in message
+
+
+def _stock_meta(call):
+    out = call()
+    return tuple(out.shape), out.dtype
+
+
+_REDIRECTED = {
+    "floor_divide": lambda: torch.ones(7, dtype=torch.int64, device="meta") // 64,
+    "floor_divide.Tensor": lambda: torch.floor_divide(
+        torch.ones(7, 1, device="meta"), torch.ones(3, dtype=torch.int32, device="meta")),
+    "index_select": lambda: torch.ones(5, 4, device="meta").index_select(
+        0, torch.zeros(9, dtype=torch.int64, device="meta")),
+    "where": lambda: torch.where(torch.ones(6, 1, dtype=torch.bool, device="meta"),
+                                 torch.ones(3, dtype=torch.int32, device="meta"),
+                                 torch.ones(3, dtype=torch.int64, device="meta")),
+    "max": lambda: torch.ones(6, dtype=torch.int32, device="meta").max(),
+    "repeat_interleave": lambda: torch.repeat_interleave(
+        torch.arange(4, device="meta"), torch.ones(4, dtype=torch.int64, device="meta"),
+        output_size=11),
+}
+
+
+def test_meta_setup_drops_the_python_registrations_and_restores_them():
+    """Inside the block the Python meta library is gone (the C++ kernels serve), the
+    thin kernels size outputs exactly as the Python ones did; after it, even after an
+    exception, every Python registration is back."""
+    import torch._meta_registrations as registrations
+
+    assert python_meta_active()
+    before = set(registrations._meta_lib_dont_use_me_use_register_meta._op_impls)
+    expected = {name: _stock_meta(call) for name, call in _REDIRECTED.items()}
+    with pytest.raises(KeyError):
+        with cpp_meta_kernels() as info:
+            assert not python_meta_active()
+            assert "floor_divide" in info["redirected"]
+            assert torch.cumsum(torch.ones(5, device="meta"), 0).shape == (5,)
+            assert {name: _stock_meta(call) for name, call in _REDIRECTED.items()} == expected
+            raise KeyError("leave the block by an exception")
+    assert python_meta_active()
+    assert set(registrations._meta_lib_dont_use_me_use_register_meta._op_impls) == before
+    assert {name: _stock_meta(call) for name, call in _REDIRECTED.items()} == expected
+
+
+def test_meta_reference_answers_upstream_syncs_from_the_host(standard):
+    """On meta the reference cannot read back (.item()); with the host's values it
+    replays the trace, patching exactly the syncs the CPU reference makes."""
+    steps = standard[:6]
+    known = known_syncs(STANDARD_TRACE, steps)
+    cpu = Replay("reference", STANDARD_TRACE, torch.device("cpu"))
+    with OpCounter() as counter:
+        cpu.replay(steps)
+    with cpp_meta_kernels():
+        blind = Replay("reference", STANDARD_TRACE, torch.device("meta"))
+        blind.prepare(0, steps[0])
+        with pytest.raises(RuntimeError, match="meta"):  # .item() on meta
+            blind.run(steps[0])
+        meta = Replay("reference", STANDARD_TRACE, torch.device("meta"), known=known)
+        meta.replay(steps)
+    assert meta.meta.patched == counter.scalar_reads == sum(map(len, known)) >= 2 * 6
+
+
+def test_mirror_on_meta_counts_event_and_stream_calls(standard):
+    runtime = CountingRuntime()
+    with cpp_meta_kernels():
+        with use_runtime(runtime):
+            replay = Replay("mirror", STANDARD_TRACE, torch.device("meta"))
+        replay.replay(standard[:4])
+    assert runtime.calls["event.record"] >= 4 and runtime.calls["current_stream"] >= 4
+
+
+def test_cli_trace_quick_prints_both_geometries_and_json(monkeypatch, capsys, tmp_path):
+    short = {"standard": (STANDARD_TRACE, 6), "production": (PRODUCTION_TRACE, 2)}
+    monkeypatch.setattr(trace_bench, "trace_geometries", lambda quick: short)
+    path = tmp_path / "trace.json"
+    assert bench_cli.main(["--trace", "--quick", "--repeats", "1", "--json",
+                           str(path)]) == 0
+    out = capsys.readouterr().out
+    for name in ("standard", "production"):
+        assert f"trace, {name} geometry" in out
+    for row in ("reference", "direct", "mirror", "captured", "mirror, device inputs",
+                "drop-in, device inputs"):
+        assert f"  {row} " in out
+    result = json.loads(path.read_text())["trace"]
+    assert set(result) == {"standard", "production"}
+    rows = result["standard"]["rows"]
+    assert {"reference @meta", "mirror @meta", "captured @meta", "direct @cpu",
+            "mirror, device inputs @meta"} <= set(rows)
+    for row in rows.values():
+        assert {"median_us", "p90_us", "speedup_vs_reference", "device_data_ops",
+                "syncs"} <= set(row)
+    assert rows["reference @meta"]["syncs"] >= 2 and rows["mirror @meta"]["syncs"] == 0
+    assert rows["mirror @meta"]["runtime_calls"]["total"] > 0
+
+
+def test_cli_trace_exits_1_when_a_path_differs(monkeypatch, capsys):
+    monkeypatch.setattr(trace_replay, "check_trace", lambda config, trace: "planted")
+    monkeypatch.setattr(trace_bench, "trace_geometries",
+                        lambda quick: {"standard": (STANDARD_TRACE, 2)})
+    assert bench_cli.main(["--trace", "--quick"]) == 1
+    assert "RESULTS DIFFER" in capsys.readouterr().err
+
+
+def test_asv_discovers_the_trace_trackers():
+    """asv's discovery (as ``tests/test_asv_suite.py`` runs it, with this checkout on
+    the path) finds the trace trackers."""
+    pytest.importorskip("asv_runner")
+    from tests.test_asv_suite import _DISCOVER, ASV_DIR
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join((str(ASV_DIR),
+                                                       str(ASV_DIR.parent))))
+    found = subprocess.run([sys.executable, "-c", _DISCOVER], cwd=ASV_DIR, env=env,
+                           capture_output=True, text=True, check=True).stdout.split()
+    assert {"trace.TrackTraceHostShare.track_mirror_over_reference_meta",
+            "trace.TrackTraceHostShare.track_captured_over_reference_meta",
+            "trace.TrackTraceHostShare.track_mirror_over_reference_launch_estimate"
+            } <= set(found)
