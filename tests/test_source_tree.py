@@ -50,3 +50,27 @@ def test_gpu_check_installs_nothing_and_fits_in_five_minutes():
     # Every python3 invocation runs under a timeout.
     untimed = [line for line in commands if re.search(r"^\s*python3\b", line)]
     assert not untimed, untimed
+
+
+# After pytest's start-up (which imports its plugins, hypothesis's among them), a None
+# entry in sys.modules makes every later import of hypothesis fail.
+_NO_HYPOTHESIS = """
+import sys, pytest
+class NoHypothesis:
+    def pytest_configure(self, config):
+        sys.modules["hypothesis"] = None
+sys.exit(pytest.main(sys.argv[1:], plugins=[NoHypothesis()]))
+"""
+
+
+def test_gpu_tests_collect_without_hypothesis():
+    """A GPU box may have torch, numba, numpy and pytest only: tests/gpu (and what it
+    imports from tests/) must collect with hypothesis unimportable, every file of it."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONDONTWRITEBYTECODE="1")
+    done = subprocess.run(
+        [sys.executable, "-c", _NO_HYPOTHESIS, "-q", "--collect-only", "-p",
+         "no:cacheprovider", "-p", "no:hypothesispytest", "tests/gpu"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    files = {line.split("::")[0] for line in done.stdout.splitlines() if "::" in line}
+    assert files == {f"tests/gpu/{p.name}" for p in (ROOT / "tests" / "gpu").glob("test_*.py")}
