@@ -43,11 +43,11 @@ A commit pass takes its leading table rows ``[:min(P, n)]`` device-to-device too
 when they equal the rows that draft loop staged (compared on the host against
 ``host_block_table``), but from ``_reuse_table``, a private device copy that no public
 name aliases: begin_decode's H2D copy lands there and one device-to-device copy fills
-``block_table[:n]`` from it (3 data ops per begin; 15 for the standard step, advances included), and no
-write into the persistent buffers (in place, ``.data``, DLPack, a graph replay, under
-``torch.inference_mode``) can reach a row a commit places. A step whose commit pass
-follows its draft loop on one table ships that table once, not twice
-(``_rows_on_device``; ``reused_table_rows`` counts the rows so placed).
+``block_table[:n]`` from it (3 data ops per begin; 15 per standard step, advances
+included), so no write into the persistent buffers (in place, ``.data``, DLPack, a
+graph replay, under ``torch.inference_mode``) can reach a row a commit places. A step
+whose commit pass follows its draft loop on one table ships that table once, not
+twice (``_rows_on_device``; ``reused_table_rows`` counts the rows so placed).
 The H2D copy is one contiguous byte range: copying strided pinned memory straight into
 the view would make PyTorch stage each non-contiguous H2D copy through a temporary (an
 allocation and a kernel); ``staging_slots`` (default 8) bounds how many staged calls
@@ -453,7 +453,7 @@ class MirrorBackend:
     def _rows_on_device(self, target: ViewTarget, table: np.ndarray, num_prefill: int,
                         pad_tokens: int) -> int:
         """How many leading rows of a commit pass's ``table`` [>= P, W] to place from
-        the persistent device table instead of the shadow: ``k = min(P, n)`` (n the
+        the private device table instead of the shadow: ``k = min(P, n)`` (n the
         rows the last host-route ``begin_decode`` staged) when every one of them equals
         the host copy of what the device holds (``rows_match``: compared, never
         assumed), else 0. The row that absorbs a full batch's pad is cut back by the

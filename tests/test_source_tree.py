@@ -121,4 +121,5 @@ def test_gpu_tests_collect_without_hypothesis():
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     files = {line.split("::")[0] for line in done.stdout.splitlines() if "::" in line}
-    assert files == {f"tests/gpu/{p.name}" for p in (ROOT / "tests" / "gpu").glob("test_*.py")}
+    gpu_files = (ROOT / "tests" / "gpu").glob("test_*.py")
+    assert files == {f"tests/gpu/{path.name}" for path in gpu_files}
