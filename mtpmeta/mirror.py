@@ -39,11 +39,15 @@ data (token maps, lengths, sums) and never a table: ``mha_block_table[:n]`` come
 the persistent device ``block_table`` that ``begin_decode`` filled once per draft loop,
 and its pad rows from a persistent device block of -1, both device-to-device in the
 same ``_foreach_copy_``. So a depth's host work and H2D bytes do not grow with ``W``.
-A commit pass takes the same device-to-device route for the leading rows of its own
-table, ``[:min(P, n)]``, when they equal the rows that draft loop staged (compared on
-the host against ``host_block_table``, and only while torch's version counter of the
-persistent table says nothing wrote it since): a step whose commit pass follows its
-draft loop on one table ships that table once, not twice (``_rows_on_device``).
+A commit pass takes its leading table rows ``[:min(P, n)]`` device-to-device too
+when they equal the rows that draft loop staged (compared on the host against
+``host_block_table``), but from ``_reuse_table``, a private device copy that no public
+name aliases: begin_decode's H2D copy lands there and one device-to-device copy fills
+``block_table[:n]`` from it (3 data ops per begin; 15 per standard step, advances
+included), so no write into the persistent buffers (in place, ``.data``, DLPack, a
+graph replay, under ``torch.inference_mode``) can reach a row a commit places. A step
+whose commit pass follows its draft loop on one table ships that table once, not
+twice (``_rows_on_device``; ``reused_table_rows`` counts the rows so placed).
 The H2D copy is one contiguous byte range: copying strided pinned memory straight into
 the view would make PyTorch stage each non-contiguous H2D copy through a temporary (an
 allocation and a kernel); ``staging_slots`` (default 8) bounds how many staged calls
@@ -113,13 +117,14 @@ class MirrorBackend:
                                         dtype=numpy_dtype(table_dtype))
         self.host_block_table = self._own_block_table
         self.host_offsets_known = True
-        # Rows [:k] of the persistent device table that equal host_block_table[:k]
-        # (begin_decode's host route staged them), and the table's torch version counter
-        # after that write: a commit pass places such rows device-to-device
-        # (_rows_on_device). Inference tensors keep no version counter.
+        # [R, W] of the table dtype on the device, aliased by no public name: rows
+        # [:_device_table_rows] equal host_block_table's (begin_decode's host route and
+        # begin_decode_for_capture write them, in stream order), and a commit pass
+        # places such rows device-to-device (_rows_on_device), never from block_table.
+        self._reuse_table = torch.full((max_requests, width), dummy, dtype=table_dtype,
+                                       device=self.device)
         self._device_table_rows = 0
-        self._versioned = not buffers.block_table.is_inference()
-        self._table_version = -1
+        self.reused_table_rows = 0  # commit-pass rows placed from _reuse_table so far
         # Host scratch the fused kernels write lengths into: [R + 1] int32 each.
         self._scratch_q = np.zeros(max_requests + 1, dtype=np.int32)
         self._scratch_kv = np.zeros(max_requests + 1, dtype=np.int32)
@@ -252,7 +257,7 @@ class MirrorBackend:
 
     def _flush(self, target: ViewTarget, slot: int, layout: PackedLayout, tokens: int,
                real_tokens: int, requests: Optional[int], to_lengths: str,
-               lengths_count: int, device_rows: int = 0) -> None:
+               lengths_count: int, device_rows: int = 0, reused: bool = False) -> None:
         """Copy the slot's shadow into its device stage (one H2D copy), place it into
         the view with one ``CopyPlan`` (one ``_foreach_copy_`` per dtype group), then
         record the slot's fence (after the last op that reads the slot or its stage).
@@ -261,8 +266,9 @@ class MirrorBackend:
         the tokens whose request/position fields are written. ``to_lengths`` names what
         also lands in the persistent length buffers: ``"pair"`` (query and KV,
         ``lengths_count`` long), ``"query"`` (query only) or ``""``. ``mha_block_table``
-        takes rows ``[:device_rows]`` from the persistent device ``block_table``
-        (device-to-device), the shadow's table rows after them, and -1 rows from a
+        takes rows ``[:device_rows]`` device-to-device (from the persistent device
+        ``block_table``, or with ``reused``, a commit pass, from the private
+        ``_reuse_table``), the shadow's table rows after them, and -1 rows from a
         persistent device block for the rest up to ``requests``: a draft depth's shadow
         holds no table (``device_rows = n``, -1 pad rows). The plan is cached on the view.
         """
@@ -274,20 +280,20 @@ class MirrorBackend:
             ring.device_slots[slot][:nbytes], ring.slots[slot][:nbytes]))
         dst.copy_(src, non_blocking=True)
         key = ("place", generation, slot, layout, tokens, real_tokens, requests, to_lengths,
-               lengths_count, device_rows)
+               lengths_count, device_rows, reused)
         plan = plans.get(key)
         if plan is None:
             staged = layout.tensors(ring.device_slots[slot])
             plan = CopyPlan(self._placement(target.fields, staged, tokens, real_tokens,
                                             requests, to_lengths, lengths_count,
-                                            device_rows))
+                                            device_rows, reused))
             plans.put(key, plan)
         plan.run()
         ring.release(slot)
 
     def _placement(self, view, staged, tokens: int, real_tokens: int,
                    requests: Optional[int], to_lengths: str, lengths_count: int,
-                   device_rows: int) -> List[CopyPair]:
+                   device_rows: int, reused: bool) -> List[CopyPair]:
         """The copies of ``_flush`` as ``(destination, source)`` pairs."""
         # Block and local offset over the padded rows; request, position and pos id
         # over the real ones only (pad rows keep theirs).
@@ -308,7 +314,8 @@ class MirrorBackend:
             table = view.mha_block_table
             staged_end = device_rows + staged.mha_block_table.shape[0]
             pad_rows = requests - staged_end
-            pairs += [(table[:device_rows], buffers.block_table[:device_rows]),
+            rows_source = self._reuse_table if reused else buffers.block_table
+            pairs += [(table[:device_rows], rows_source[:device_rows]),
                       (table[device_rows:staged_end], staged.mha_block_table),
                       (table[staged_end:requests],
                        self._minus_one[:pad_rows * table.shape[1]]
@@ -347,11 +354,13 @@ class MirrorBackend:
         buffers = self.buffers
         self._prefix("draft_head", buffers.draft_head, 0, count + 1).copy_(
             self._prefix(("begin_head", slot), head_t, 0, count + 1), non_blocking=True)
-        if count:
-            self._prefix("block_table", buffers.block_table, 0, count).copy_(
-                self._prefix(("begin_table", slot), table_t, 0, count), non_blocking=True)
+        if count:  # H2D into the private table, then block_table[:n] from it (D2D)
+            private = self._prefix("reuse_table", self._reuse_table, 0, count)
+            private.copy_(self._prefix(("begin_table", slot), table_t, 0, count),
+                          non_blocking=True)
+            self._prefix("block_table", buffers.block_table, 0, count).copy_(private)
         ring.release(slot)
-        self._note_device_table(count)
+        self._device_table_rows = count
         return True
 
     def begin_decode_device(self, count: int, start_positions: Tensor,
@@ -360,7 +369,7 @@ class MirrorBackend:
         self.device_route.begin_decode(count, start_positions, table_src)
         self.buffers.draft_count.fill_(count)  # the device count (contract §12)
         self.host_offsets_known = False
-        self._device_table_rows = 0  # the device table now holds what the host never saw
+        self._device_table_rows = 0  # the host never saw this table: nothing to reuse
 
     def begin_decode_for_capture(self, count: int) -> None:
         self.refuse_capture("begin_decode_for_capture")
@@ -371,7 +380,8 @@ class MirrorBackend:
         self._prefix("offsets", self.buffers.offsets, 0, count).zero_()
         self._prefix("block_table", self.buffers.block_table, 0, count).fill_(self.dummy)
         self.buffers.draft_count.fill_(count)  # every row real for the device too
-        self._note_device_table(count)  # rows of D on both sides
+        self._prefix("reuse_table", self._reuse_table, 0, count).fill_(self.dummy)
+        self._device_table_rows = count  # rows of D on both sides
 
     def advance_decode_step(self, count: int) -> None:
         self.refuse_capture("advance_decode_step")
@@ -441,33 +451,25 @@ class MirrorBackend:
             self.block_size, self.dummy, device_rows, self._scratch_q, *token_args,
             *request_args)
         self._flush(target, slot, layout, padded_tokens, total, padded_requests, "query",
-                    staged, device_rows)
+                    staged, device_rows, reused=True)
+        self.reused_table_rows += device_rows
         return staged, padded_requests, max_len
-
-    def _note_device_table(self, count: int) -> None:
-        """The persistent device table's rows ``[:count]`` now equal
-        ``host_block_table[:count]`` (written just now, in stream order)."""
-        self._device_table_rows = count
-        if self._versioned:
-            self._table_version = self.buffers.block_table._version
 
     def _rows_on_device(self, target: ViewTarget, table: np.ndarray, num_prefill: int,
                         pad_tokens: int) -> int:
         """How many leading rows of a commit pass's ``table`` [>= P, W] to place from
-        the persistent device table instead of the shadow: ``k = min(P, n)`` (n the
+        the private device table instead of the shadow: ``k = min(P, n)`` (n the
         rows the last host-route ``begin_decode`` staged) when every one of them equals
         the host copy of what the device holds (``rows_match``: compared, never
         assumed), else 0. The row that absorbs a full batch's pad is cut back by the
-        kernel and never taken. The device table must be unchanged since that write as
-        far as torch's version counter sees; writes that bypass it (``.data``, raw
-        pointers) into the library's persistent buffers are outside the contract.
+        kernel and never taken. The rows are placed from the private ``_reuse_table``,
+        which holds ``host_block_table[:n]`` whatever was written into the public
+        buffers since (no version counter needed).
         """
         rows = min(num_prefill, self._device_table_rows)
         if pad_tokens > 0 and num_prefill == self.max_requests:
             rows = min(rows, num_prefill - 1)
-        if rows <= 0 or target.width != self.host_block_table.shape[1] or (
-                self._versioned and
-                self.buffers.block_table._version != self._table_version):
+        if rows <= 0 or target.width != self.host_block_table.shape[1]:
             return 0
         return rows if native.staging.rows_match(table, self.host_block_table, rows) else 0
 

@@ -17,6 +17,10 @@ ahead. View ops run at once (they read nothing). A queued copy reads its source 
 pinned-slot reuse race). Ops whose result the host needs (``.item()``, ``equal``,
 data-dependent shapes, blocking copies) drain the queues first and count as a sync.
 
+Version counters move as on CUDA: an in-place op bumps its tensor's ``_version`` once,
+when the host issues it; executing it later (at a sync, an event wait, inside another
+op's tick) and replaying a captured graph bump nothing.
+
 Events, ``stream.wait_event``, ``with sim.capture(graph)`` (ops recorded, not run; a
 sync inside raises like CUDA) and ``graph.replay()`` follow CUDA's rules. Captures run
 on a side stream, as ``torch.cuda.graph`` does; capturing the legacy default stream is
@@ -511,7 +515,9 @@ class CudaSim:
         stream = ready[0] if len(ready) == 1 else self.rng.choice(ready)
         item = stream.queue.popleft()
         if item.run is not None and self.device_error is None:
-            with self.bypass():
+            # Below ADInplaceOrView: executing a queued op moves no version counter
+            # (CUDA bumps it once, when the host issues the op; a replay, none).
+            with self.bypass(), torch._C._AutoDispatchBelowADInplaceOrView():
                 try:
                     item.run()
                 except Exception as error:  # a device-side fault: sticky

@@ -141,7 +141,7 @@ def test_production_section_counts_bytes_and_ops_of_every_row():
     """At a small size: the mirror path moves the draft table once (begin_decode) and,
     of the commit's table, only the row the draft loop's device table does not hold
     (the prefill row), so its bytes per step are under upstream's flow (both tables);
-    its data ops per step are the 14 of the op budget."""
+    its data ops per step are the 15 of the op budget."""
     from mtpmeta.bench.production import format_production, measure_production
 
     config = StepConfig(max_requests=24, block_columns=256, block_size=16, active=16,
@@ -155,6 +155,6 @@ def test_production_section_counts_bytes_and_ops_of_every_row():
     # Commit first: it follows the previous step's draft loop on another table.
     both = 16 * 256 * 4 + 17 * 256 * 4
     assert both < h2d["mirror, commit first"] < both + 16 * 1024
-    assert result["ops_per_step"]["mirror (CPU-forced)"] == {"data_ops": 14, "syncs": 0}
+    assert result["ops_per_step"]["mirror (CPU-forced)"] == {"data_ops": 15, "syncs": 0}
     assert result["ops_per_step"]["reference"]["syncs"] == 5
     assert "host-to-device bytes per step" in format_production(result)

@@ -17,18 +17,19 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, List, Tuple
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mtpmeta.captured as captured_module
-from mtpmeta import VIEW_FIELDS, ContextGPUView, MTPMetadata
+from mtpmeta import ContextGPUView, MTPMetadata
 from mtpmeta.captured import ADVANCE_OPS, DEPTH_OPS
 from mtpmeta import ForwardModeError, GraphCaptureError, MTPForwardMode, StaleOffsetsError
-from mtpmeta.simulate.config import SimConfig
 from mtpmeta.simulate.paged import PagedKVCache
+from tests.captured_helpers import (BS, CFG, CU_FIELDS, D, DEPTHS, FIELDS, P,
+                                    PADDED_FIELDS, R, REAL_FIELDS, REPLAY_COUNTS,
+                                    VIEW_TOKENS, W, run_depths, schedule)
 from tests.cuda_sim import CudaSim, SimGraph
 from tests.helpers import PATHS, assert_same_state, buffer_state, make_metadata
 
@@ -36,59 +37,11 @@ SIM_SKIP = pytest.mark.skipif(
     os.environ.get("MTPMETA_DEBUG") == "1",
     reason="MTPMETA_DEBUG's .numpy() reads bypass the simulated device")
 
-CFG = SimConfig(max_requests=8, block_columns=6, block_size=4, hidden_size=8, heads=2,
-                head_dim=4, max_prompt=4, max_new_tokens=4, system_prompts=0)
-R, W, BS, D = CFG.max_requests, CFG.block_columns, CFG.block_size, CFG.dummy_block
-P, DEPTHS, VIEW_TOKENS = 6, 3, 16
-REPLAY_COUNTS = (P, P - 1, 1, 0)
-FIELDS = tuple(f.name for f in VIEW_FIELDS)
-# Written by the default route on the padded rows / on the real rows only.
-PADDED_FIELDS = ("token_to_block_idx", "token_to_local_position_within_kv_block",
-                 "mha_query_lengths", "mha_kv_seq_lengths", "mha_block_table")
-REAL_FIELDS = ("token_to_request_idx", "token_to_position_in_request", "token_to_pos_ids",
-               "offsets", "query_lengths", "kv_lengths")
-CU_FIELDS = ("mha_cu_query_seq_lengths", "mha_cu_kv_seq_lengths")
-
 
 def new_meta(path: str, **allocate: Any) -> MTPMetadata:
     meta = MTPMetadata(**CFG.metadata_kwargs())
     meta.allocate("cpu", mirror=(path == "mirror"), **allocate)
     return meta
-
-
-def toy_forward(cache: PagedKVCache, view: Any, x: torch.Tensor, depth: int) -> torch.Tensor:
-    """A draft depth's forward over ``P`` rows: append ``k, v`` through the token maps,
-    attend through the MHA fields. Fixed shapes, no read-back: capturable."""
-    cache.write_rows(view, x + depth, x * 2 - depth, P)
-    return cache.attend_decode(x, view, P)
-
-
-def snapshot(meta: MTPMetadata, view: Any, cache: PagedKVCache,
-             out: torch.Tensor) -> Dict[str, torch.Tensor]:
-    """What a forward would see after a depth (clones: inside a capture they are the
-    graph's static outputs, refreshed by every replay)."""
-    snap = {name: getattr(view, name).clone() for name in FIELDS}
-    for name in ("offsets", "query_lengths", "kv_lengths"):
-        snap[name] = getattr(meta, name).clone()
-    snap["k_cache"], snap["v_cache"], snap["attention"] = (cache.k.clone(), cache.v.clone(),
-                                                           out.clone())
-    return snap
-
-
-def schedule(seed: int) -> List[Tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """(n', start positions, block table, inputs) per step; tables name real blocks in
-    every row, so a stale pad row that is not masked writes real KV. Starts stay low
-    enough that even pad rows advanced through every replay stay in the table."""
-    rng = np.random.default_rng(seed)
-    steps = []
-    for n in REPLAY_COUNTS:
-        starts = rng.integers(0, W * BS - DEPTHS * len(REPLAY_COUNTS) - 1, size=R)
-        table = rng.permutation(R * W)[:R * W].reshape(R, W)
-        x = rng.standard_normal((P, CFG.heads, CFG.head_dim))
-        steps.append((n, torch.from_numpy(starts.astype(np.int32)),
-                      torch.from_numpy(table.astype(np.int32)),
-                      torch.from_numpy(x.astype(np.float32))))
-    return steps
 
 
 def default_route_run(path: str, steps) -> List[List[Dict[str, torch.Tensor]]]:
@@ -104,19 +57,6 @@ def default_route_run(path: str, steps) -> List[List[Dict[str, torch.Tensor]]]:
         runs.append(run_depths(meta, view, cache, x))
         meta.end_forward()
     return runs
-
-
-def run_depths(meta: MTPMetadata, view: Any, cache: PagedKVCache,
-               x: torch.Tensor) -> List[Dict[str, torch.Tensor]]:
-    """DEPTHS depths of the current draft loop (setup, toy forward, advance); the
-    snapshot after each (inside a capture: the static tensors every replay refreshes)."""
-    snaps = []
-    for depth in range(DEPTHS):
-        meta.setup_decode_step(view)
-        out = toy_forward(cache, view, x, depth)
-        meta.advance_decode_step()
-        snaps.append(snapshot(meta, view, cache, out))
-    return snaps
 
 
 def capture_loop(sim: CudaSim, meta: MTPMetadata, view: Any, cache: PagedKVCache,
@@ -286,18 +226,20 @@ def test_captured_setup_is_a_fixed_op_sequence_with_no_host_read(path):
 @pytest.mark.cuda_sim
 def test_mirror_begin_stages_count_offsets_and_table_in_two_copies():
     """begin_decode(capture_setup=True) on the mirror path: one pinned slot, 2 H2D
-    copies (count with offsets[:n], which sit side by side, and block_table[:n]); with
-    n = 0 only the count's. It is eager staging, so it is refused under capture like
-    the default begin_decode."""
+    copies (count with offsets[:n], which sit side by side, and the table, into the
+    private copy commit passes reuse rows from) and one device-to-device copy of the
+    table into block_table[:n]; with n = 0 only the count's. It is eager staging, so
+    it is refused under capture like the default begin_decode."""
     sim = CudaSim(4, idle=1.0)
     steps = schedule(2)
     with sim:
         meta = new_meta("mirror")
         sim.synchronize()
         for n, starts, table, _ in steps:
-            issued = sim.issued
+            issued, h2d = sim.issued, sim.h2d_copies
             meta.begin_decode(n, P, starts, table, True, capture_setup=True)
-            assert sim.issued - issued == (2 if n else 1), n
+            assert sim.h2d_copies - h2d == (2 if n else 1), n
+            assert sim.issued - issued == (3 if n else 1), n
             sim.synchronize()
             assert sim.peek(meta._captured.count).tolist() == [n]
             assert torch.equal(sim.peek(meta.offsets)[:n], starts[:n])
@@ -477,7 +419,7 @@ def test_readme_captured_example_runs():
 
 def test_bench_captured_row_counts_only_begin_decode_on_the_host():
     """The bench's captured row: the host side of a captured loop is begin_decode alone
-    (2 data ops on the mirror path, none on the direct path), with no sync and no
+    (3 data ops on the mirror path, none on the direct path), with no sync and no
     allocation, against the default graphed loop's per-depth staging; the graph holds
     DEPTH_OPS + ADVANCE_OPS per depth."""
     from mtpmeta.bench.captured import format_captured, measure_captured
@@ -488,9 +430,9 @@ def test_bench_captured_row_counts_only_begin_decode_on_the_host():
                         swaps=1, resets=2, hidden_size=8)
     result = measure_captured(config, make_steps(config, 2), 1, torch.device("cpu"))
     assert set(result) == {"direct", "mirror"}
-    assert result["mirror"]["captured_host_data_ops"] == 2
+    assert result["mirror"]["captured_host_data_ops"] == 3
     assert result["direct"]["captured_host_data_ops"] == 0
-    assert result["mirror"]["default_graphed_data_ops"] > 2
+    assert result["mirror"]["default_graphed_data_ops"] > 3
     for row in result.values():
         assert row["captured_host_syncs"] == 0 and row["captured_host_allocations"] == 0
         assert (row["graph_ops_setup"], row["graph_ops_advance"]) == (DEPTH_OPS, ADVANCE_OPS)

@@ -3,17 +3,21 @@ persistent device table, device-to-device, when they are the rows ``begin_decode
 staged (mirror path; the host-to-device bytes of issue 17).
 
 The rows are compared on the host against the host copy of what the device holds,
-never assumed: any changed entry, a torch write into ``block_table`` since, or a
-``begin_decode`` from device inputs (whose table the host never saw) turns the device
-copy off. Every test drives the mirror path and the reference (upstream's op sequence)
-with the same calls and compares every view byte; the counted host-to-device bytes say
-whether the device copy was taken.
+never assumed: any changed entry, or a ``begin_decode`` from device inputs (whose table
+the host never saw), turns the device copy off. They are read from a private device
+table that no public name aliases, so no write into ``block_table`` (a torch op,
+``.data``, DLPack, ``.numpy()``, a ``set_`` alias, a replayed graph, under
+``torch.inference_mode``) reaches a row a commit places. Every test drives the mirror
+path and the reference (upstream's op sequence) with the same calls and compares every
+view byte; the counted host-to-device bytes and ``reused_table_rows`` say whether the
+device copy was taken.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import numpy as np
 import pytest
@@ -25,7 +29,7 @@ from mtpmeta import ContextGPUView, MTPMetadata
 from mtpmeta.bench.h2d import H2DCounter, StagingRecorder
 from mtpmeta.reference import ReferenceGPUView, ReferenceMTPMetadata
 from mtpmeta.runtime import use_runtime
-from tests.cuda_sim import CudaSim
+from tests.cuda_sim import CudaSim, SimGraph
 from tests.helpers import assert_views_equal, config
 from tests.test_cuda_sim import (assert_no_hidden_copies, host, make_sim,  # noqa: F401
                                  new_pair)
@@ -45,9 +49,10 @@ LAYOUTS = {"mtpmeta": ContextGPUView, "upstream": UpstreamLayoutView}
 
 class Pair:
     """A CPU-forced mirror-path object (its staging recorded, so its H2D bytes can be
-    counted) and the reference, each with a view, driven with the same calls."""
+    counted) and the reference, each with a view, driven with the same calls; with
+    ``direct``, a direct-path object too."""
 
-    def __init__(self, layout: str = "mtpmeta") -> None:
+    def __init__(self, layout: str = "mtpmeta", *, direct: bool = False) -> None:
         self.recorder = StagingRecorder()
         with use_runtime(self.recorder):
             self.meta = MTPMetadata(**KWARGS)
@@ -56,9 +61,20 @@ class Pair:
         self.ref = ReferenceMTPMetadata(**KWARGS)
         self.ref.allocate("cpu")
         self.ref_view = ReferenceGPUView(R, TOKENS, W, "cpu")
+        self.sides = [(self.meta, self.view), (self.ref, self.ref_view)]
+        if direct:
+            self.direct = MTPMetadata(**KWARGS)
+            self.direct.allocate("cpu", mirror=False, max_tokens=TOKENS)
+            self.direct_view = LAYOUTS[layout](R, TOKENS, W, "cpu")
+            self.sides.append((self.direct, self.direct_view))
+
+    @property
+    def reused(self) -> int:
+        """Commit-pass table rows the mirror path placed from its device copy so far."""
+        return self.meta._backend.reused_table_rows
 
     def draft_loop(self, count: int, starts: torch.Tensor, table: torch.Tensor) -> None:
-        for meta, view in ((self.meta, self.view), (self.ref, self.ref_view)):
+        for meta, view in self.sides:
             meta.begin_decode(count, count, starts, table, False)
             meta.setup_decode_step(view)
             meta.advance_decode_step()
@@ -66,14 +82,18 @@ class Pair:
 
     def commit(self, counts: torch.Tensor, table: torch.Tensor, starts: torch.Tensor,
                padded_tokens: int) -> int:
-        """The commit pass on both sides; the mirror path's H2D bytes. Views equal."""
+        """The commit pass on every side; the mirror path's H2D bytes. Every view (and
+        the direct path's ``query_lengths``) equals the reference's."""
         kwargs = dict(start_positions=starts, padded_token_count=padded_tokens)
         with H2DCounter(self.recorder) as counter:
             self.meta.setup_commit_pass(self.view, counts, table, **kwargs)
-        self.ref.setup_commit_pass(self.ref_view, counts, table, **kwargs)
-        self.meta.end_forward()
-        self.ref.end_forward()
-        assert_views_equal(self.view, self.ref_view)
+        for meta, view in self.sides[1:]:
+            meta.setup_commit_pass(view, counts, table, **kwargs)
+        for meta, view in self.sides:
+            meta.end_forward()
+            assert_views_equal(view, self.ref_view)
+        if len(self.sides) > 2:
+            assert torch.equal(self.meta.query_lengths, self.direct.query_lengths)
         return counter.nbytes
 
 
@@ -122,6 +142,7 @@ def test_commit_rows_come_from_the_device_table_exactly_when_they_match(layout, 
     full = twin.commit(counts, commit_table, commit_starts, padded)
     reused = rows if change is None and rows > 0 else 0
     assert got == full - reused * W * table_item(layout)
+    assert (pair.reused, twin.reused) == (reused, 0)
 
 
 def test_commit_pass_alone_ships_its_whole_table():
@@ -131,22 +152,76 @@ def test_commit_pass_alone_ships_its_whole_table():
     counts, starts, padded = commit_inputs(rng, 5, 0)
     nbytes = pair.commit(counts, random_table(rng), starts, padded)
     assert nbytes >= 5 * W * 4
+    assert pair.reused == 0
 
 
-def test_a_torch_write_into_the_draft_table_turns_the_device_copy_off():
-    """A scheduler that patches ``active_block_table`` in place (a torch op: the version
-    counter moves) after begin_decode: the commit pass must read its own argument, not
-    the patched device row, and ship the whole table."""
+def _write_op(table: torch.Tensor) -> None:
+    table[0, 0] = D - 1
+
+
+def _write_data(table: torch.Tensor) -> None:
+    table.data[0, 0] = D - 1
+
+
+def _write_dlpack(table: torch.Tensor) -> None:
+    dlpack = torch.utils.dlpack
+    dlpack.from_dlpack(dlpack.to_dlpack(table))[0, 0] = D - 1
+
+
+def _write_numpy(table: torch.Tensor) -> None:
+    table.numpy()[0, 0] = D - 1
+
+
+def _write_set_alias(table: torch.Tensor) -> None:
+    alias = torch.empty(0, dtype=table.dtype)
+    alias.set_(table.untyped_storage(), table.storage_offset(), table.shape, table.stride())
+    alias[0, 0] = D - 1
+
+
+#: Writes into the persistent table; all but the torch op bypass its version counter.
+TABLE_WRITES: Dict[str, Callable[[torch.Tensor], None]] = {
+    "torch op": _write_op, ".data": _write_data, "DLPack": _write_dlpack,
+    ".numpy()": _write_numpy, "set_ alias": _write_set_alias}
+
+
+@pytest.mark.parametrize("inference", [False, True], ids=["grad mode", "inference_mode"])
+@pytest.mark.parametrize("write", sorted(TABLE_WRITES))
+def test_no_write_into_the_draft_table_reaches_a_commit_row(write, inference):
+    """contract §1 and §9 (issue 23, F4): after a draft loop on T, a scheduler writes
+    ``block_table[0, 0]`` by any route (under ``torch.inference_mode`` there is no
+    version counter at all). The commit pass on T still writes T's rows, the
+    reference's bytes, and still takes its 5 leading rows from the device: from the
+    private copy begin_decode filled, which the write cannot reach."""
     rng = np.random.default_rng(1)
     table = random_table(rng)
     starts = host(rng.integers(0, W * BS - 4, size=R).astype(np.int32))
-    pair, twin = Pair(), Pair()
-    pair.draft_loop(5, starts, table)
-    pair.meta.active_block_table[0, 0] = D - 1
-    pair.ref.active_block_table[0, 0] = D - 1
-    counts, commit_starts, padded = commit_inputs(rng, 6, 0)
-    assert pair.commit(counts, table, commit_starts, padded) == \
-        twin.commit(counts, table, commit_starts, padded)
+    with torch.inference_mode() if inference else contextlib.nullcontext():
+        pair, twin = Pair(), Pair()
+        pair.draft_loop(5, starts, table)
+        TABLE_WRITES[write](pair.meta.block_table)
+        assert int(pair.meta.active_block_table[0, 0]) == D - 1 != int(table[0, 0])
+        counts, commit_starts, padded = commit_inputs(rng, 6, 0)
+        got = pair.commit(counts, table, commit_starts, padded)
+        assert got == twin.commit(counts, table, commit_starts, padded) - 5 * W * 4
+    assert pair.reused == 5
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_full_batch_commit_with_pad_writes_the_direct_paths_bytes(seed):
+    """n = P = R, pad tokens, the draft loop's own table: the mirror path takes R - 1
+    rows from the device, never row R - 1, which absorbs the pad and whose columns
+    wholly past the span it writes point at D (§6). Every view byte and
+    ``query_lengths`` equal the direct path's and the reference's."""
+    rng = np.random.default_rng(seed)
+    table = random_table(rng)
+    starts = host(rng.integers(0, BS, size=R).astype(np.int32))
+    counts = host(rng.integers(1, 4, size=R).astype(np.int32))
+    padded = int(counts.sum()) + int(rng.integers(1, 5))
+    pair = Pair(direct=True)
+    pair.draft_loop(R, starts, table)
+    pair.commit(counts, table, starts, padded)
+    assert pair.reused == R - 1
+    assert int(pair.view.mha_block_table[R - 1, W - 1]) == D != int(table[R - 1, W - 1])
 
 
 def test_inference_mode_buffers_still_take_the_device_rows():
@@ -162,9 +237,11 @@ def test_inference_mode_buffers_still_take_the_device_rows():
         reused = pair.commit(counts, table, commit_starts, padded)
         full = twin.commit(counts, table, commit_starts, padded)
         assert reused == full - 5 * W * 4
+        assert pair.reused == 5
         changed = table.clone()
         changed[4, W - 1] += R * W
         assert pair.commit(counts, changed, commit_starts, padded) == full
+        assert pair.reused == 5
 
 
 def test_capture_begin_rows_of_dummy_are_device_rows_too():
@@ -179,6 +256,7 @@ def test_capture_begin_rows_of_dummy_are_device_rows_too():
     counts, starts, padded = commit_inputs(np.random.default_rng(3), 6, 0)
     assert pair.commit(counts, table, starts, padded) == \
         twin.commit(counts, table, starts, padded) - 4 * W * 4
+    assert pair.reused == 4
 
 
 # --------------------------------------------------------- under CUDA semantics
@@ -207,6 +285,46 @@ def test_a_device_input_begin_turns_the_device_copy_off(make_sim):
         sim.synchronize()
         got = sim.peek(got)
     assert torch.equal(got, ref_view.mha_block_table)
+    assert meta._backend.reused_table_rows == 0
+    assert_no_hidden_copies(sim)
+
+
+@under_sim
+def test_a_replayed_table_patch_never_reaches_a_commit_row(make_sim):
+    """A user graph that patches ``block_table`` in place, replayed after the next
+    begin_decode (on CUDA a replay moves no version counter, and the simulator models
+    that): the commit pass on the begin's table writes that table's rows, taking its
+    5 leading rows from the device's private copy, which no replay touches."""
+    sim = make_sim(0)
+    rng = np.random.default_rng(5)
+    table = random_table(rng)
+    starts = host(rng.integers(0, W * BS - 4, size=R).astype(np.int32))
+    with sim:
+        meta, ref, [(view, ref_view)] = new_pair(sim)
+        patch = torch.full((1,), D - 1, dtype=torch.int32)  # a device tensor
+        sim.synchronize()
+        graph = SimGraph()
+        meta.begin_decode(5, 5, starts, table, False)
+        with sim.capture(graph):
+            meta.block_table[0, :1].copy_(patch)
+        meta.end_forward()
+        meta.begin_decode(5, 5, starts, table, False)
+        version = meta.block_table._version
+        graph.replay()
+        meta.end_forward()
+        counts, commit_starts, padded = commit_inputs(rng, 6, 0)
+        meta.setup_commit_pass(view, counts, table, start_positions=commit_starts,
+                               padded_token_count=padded)
+        ref.begin_decode(5, 5, starts, table, False)
+        ref.end_forward()
+        ref.setup_commit_pass(ref_view, counts, table, start_positions=commit_starts,
+                              padded_token_count=padded)
+        sim.synchronize()
+        assert meta.block_table._version == version  # the replay moved no counter
+        assert int(sim.peek(meta.block_table)[0, 0]) == D - 1  # the patch did land
+        got = sim.peek(view.mha_block_table)
+    assert torch.equal(got, ref_view.mha_block_table)
+    assert meta._backend.reused_table_rows == 5
     assert_no_hidden_copies(sim)
 
 
@@ -216,13 +334,14 @@ def commits_between_begins_on_two_streams(sim: CudaSim, seed: int):
     view, as a forward on b reads it, against the reference's."""
     rng = np.random.default_rng(seed)
     lanes = [sim.Stream("a"), sim.Stream("b")]
-    checks = []
+    checks, drafted = [], 0
     with sim:
         meta, ref, [(view, ref_view)] = new_pair(sim)
         for _ in range(6):
             table = random_table(rng)
             starts = host(rng.integers(0, W * BS - 4, size=R).astype(np.int32))
             n = int(rng.integers(1, R))
+            drafted += n
             counts, commit_starts, padded = commit_inputs(rng, n + 1, 0)
             with sim.stream(lanes[0]):
                 meta.begin_decode(n, n, starts, table, False)
@@ -249,6 +368,7 @@ def commits_between_begins_on_two_streams(sim: CudaSim, seed: int):
             results.append((sim.peek(got), want))
         sim.synchronize()
     assert_no_hidden_copies(sim)
+    assert meta._backend.reused_table_rows == drafted  # each commit took its n rows
     return sum(not torch.equal(got, want) for got, want in results)
 
 

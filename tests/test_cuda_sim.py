@@ -342,6 +342,38 @@ def test_sim_capture_records_and_replay_reissues_with_current_values(make_sim):
             event.query()
 
 
+def test_sim_moves_version_counters_once_at_issue_as_cuda_does(make_sim):
+    """An in-place op bumps its tensor's version counter when the host issues it, and
+    never again when it executes (from a sync, or inside another op's tick); a factory
+    op's queued fill bumps none, and a replay bumps none. A counter-based guard sees
+    under the simulator what it sees on CUDA (issue 23, F8)."""
+    sim = make_sim(0, idle=1.0)  # the device never runs on its own
+    with sim:
+        x = torch.zeros(4, dtype=torch.int32)
+        sim.synchronize()
+        assert x._version == 0 and sim.peek(x).tolist() == [0] * 4
+        x.add_(1)
+        assert x._version == 1 and sim.pending() == 1
+        sim.synchronize()
+        assert x._version == 1 and sim.peek(x).tolist() == [1] * 4
+        graph = SimGraph()
+        with sim.capture(graph):
+            x.add_(1)
+        assert x._version == 2  # issued into the capture
+        for _ in range(2):
+            graph.replay()
+            sim.synchronize()
+        assert x._version == 2 and sim.peek(x).tolist() == [3] * 4
+    sim = make_sim(0, idle=0.0, burst=0.0)  # the device runs 1-2 ops after every op
+    with sim:
+        x, other = torch.zeros(4, dtype=torch.int32), torch.zeros(4)
+        sim.synchronize()
+        x.add_(1)
+        for _ in range(5):
+            other.add_(1)  # x's op executes inside these ops' ticks
+        assert sim.peek(x).tolist() == [1] * 4 and x._version == 1
+
+
 def test_sim_two_streams_interleave_and_wait_event_orders_them(make_sim):
     """Two streams run in a random interleaving unless an event orders them: the
     two-stream hazard tests are only as good as this."""

@@ -29,11 +29,14 @@ pytestmark = pytest.mark.skipif(
     reason="MTPMETA_DEBUG=1: the invariant checks issue torch ops of their own")
 
 STANDARD = StepConfig()
-#: Device data ops per call (issue 17's targets).
-BUDGET = {"carry": 1, "begin_decode": 2, "depth": 3, "advance": 1, "commit": 4}
+#: Device data ops per call (issue 17's targets; begin_decode 3 since issue 23, F4: its
+#: table lands in a private device copy, the commit pass's only source of reused rows,
+#: and one device-to-device copy fills block_table from it).
+BUDGET = {"carry": 1, "begin_decode": 3, "depth": 3, "advance": 1, "commit": 4}
 STEP_BUDGET = 16  # the standard step, advances not counted
-#: What this design reaches: H2D + one _foreach_copy_ per depth and per commit pass.
-NOW = {"carry": 1, "begin_decode": 2, "depth": 2, "advance": 1, "commit": 2}
+#: What this design reaches: H2D + one _foreach_copy_ per depth and per commit pass;
+#: begin_decode's two H2D copies (head, table) and the table's device-to-device copy.
+NOW = {"carry": 1, "begin_decode": 3, "depth": 2, "advance": 1, "commit": 2}
 LAYOUTS = {"mtpmeta": ContextGPUView, "upstream": UpstreamLayoutView}
 
 
@@ -48,7 +51,7 @@ def _build(config: StepConfig, layout: str):
 @pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_mirror_calls_stay_within_their_device_op_budgets(layout, graphed):
-    """Per call: carry <= 1, begin_decode <= 2, draft depth <= 3, advance <= 1, commit
+    """Per call: carry <= 1, begin_decode <= 3, draft depth <= 3, advance <= 1, commit
     pass <= 4 device data ops; the standard step <= 16 without its advances; zero
     syncs and zero new storages anywhere in the step (after a warm-up round)."""
     config = replace(STANDARD, graphed=graphed)

@@ -351,6 +351,30 @@ def test_fence_stalls_counts_every_wait_that_blocked(make_sim):
     assert meta._backend.fence_stalls == 4
 
 
+@pytest.mark.parametrize("seed", range(3, 7))
+def test_back_to_back_prefill_lengths_each_reach_their_own_forward(make_sim, seed):
+    """stage_prefill_lengths 12 times back to back with 2 staging slots, on a device
+    that lags far behind the host; each call is followed by a forward reading
+    ``query_lengths`` on the stream (a clone). Every forward reads its own lengths: a
+    lengths slot is never rewritten while its copy is pending (its fence is recorded,
+    and acquire waits on it, as the stalls show)."""
+    sim = make_sim(seed, idle=0.97)
+    want, kept = [], []
+    with sim:
+        meta = MTPMetadata(**config())
+        meta.allocate("cpu", mirror=True, max_tokens=64, staging_slots=2)
+        sim.synchronize()
+        for i in range(12):
+            requests, pad = 2 + i % 3, i % 2
+            counts = np.full(requests, i + 1, np.int32)
+            kept.append(meta.stage_prefill_lengths(host(counts), pad).clone())
+            want.append(counts.tolist() + ([pad] if pad else []))
+        sim.synchronize()
+        got = [sim.peek(t).tolist() for t in kept]
+    assert got == want
+    assert meta._backend.fence_stalls > 0
+
+
 # ------------------------------------- the device-input route under the simulator
 def device_input_steps(sim: CudaSim, seed: int = 0):
     """Every device-route call (begin_decode, draft depths, stage_prefill_lengths,

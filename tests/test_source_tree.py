@@ -9,6 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # Hide any installed or editable mapping of mtpmeta, then import it from PYTHONPATH.
@@ -40,13 +43,83 @@ def test_source_tree_import_loads_native_as_mtpmeta_native(tmp_path):
     assert first == "1"  # index of 5, the first value outside [0, 4)
 
 
+SCRIPT = ROOT / "scripts" / "gpu_check.sh"
+
+
 def test_gpu_check_installs_nothing_and_fits_in_five_minutes():
-    script = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    """No pip; every step (python3 included) runs through ``step`` under a limit the
+    budget bounds, and the default budget and the steps' caps fit in 280 s."""
+    script = SCRIPT.read_text()
     commands = [line for line in script.splitlines() if not line.lstrip().startswith("#")]
     assert not any(re.search(r"\bpip\b", line) for line in commands), "gpu_check.sh uses pip"
-    timeouts = [int(t) for line in commands for t in re.findall(r"\btimeout (\d+)", line)]
-    assert len(timeouts) >= 4, timeouts  # versions, tests, simulate, bench
-    assert sum(timeouts) <= 280, f"worst case {sum(timeouts)} s of timeouts"
-    # Every python3 invocation runs under a timeout.
+    budget = int(re.search(r'budget="\$\{GPU_CHECK_BUDGET:-(\d+)\}"', script).group(1))
+    summary_cap = int(re.search(r"^SUMMARY_CAP=(\d+)$", script, re.M).group(1))
+    steps = re.findall(r"^step (\w+) (\S+) ", script, re.M)
+    assert [name for name, _ in steps] == ["versions", "gpu_tests", "simulate", "bench",
+                                           "summary"]
+    caps = [summary_cap if cap == '"$SUMMARY_CAP"' else int(cap) for _, cap in steps]
+    assert sum(caps) <= budget <= 280, (caps, budget)
+    assert 'timeout -s INT -k "$GRACE" "$limit" "$@"' in script
+    # Every python3 invocation runs as a step, under its limit.
     untimed = [line for line in commands if re.search(r"^\s*python3\b", line)]
     assert not untimed, untimed
+
+
+def test_gpu_check_steps_end_inside_the_budget_and_report_a_kill(tmp_path):
+    """The script's ``step`` with a 6 s budget (1 s grace, 2 s for the summary): a step
+    that would run for a minute is stopped at its own limit and recorded as killed
+    (124), the next finds the budget spent and is recorded as not run, the summary's
+    share is still there."""
+    function = re.search(r"^step\(\) \{.*?^\}$", SCRIPT.read_text(), re.M | re.S).group(0)
+    harness = f"""out={tmp_path}; : >"$out/steps.txt"
+budget=6; GRACE=1; SUMMARY_CAP=2
+{function}
+step slow 100 sleep 60
+step next 100 true
+step summary 2 true
+"""
+    done = subprocess.run(["bash", "-c", harness], capture_output=True, text=True,
+                          timeout=60)
+    rows = [line.split() for line in (tmp_path / "steps.txt").read_text().splitlines()]
+    assert [row[:2] for row in rows] == [["slow", "124"], ["next", "-"], ["summary", "0"]]
+    assert re.search(r"gpu_check: slow killed at its [12] s limit", done.stdout)
+    assert "gpu_check: next not run" in done.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible")
+def test_gpu_check_without_a_gpu_says_so_in_one_line(tmp_path):
+    """Issue 25: without CUDA the script runs nothing and exits non-zero with one clear
+    line, no traceback."""
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    env["NUMBA_CACHE_DIR"] = str(tmp_path / "numba")
+    done = subprocess.run(["bash", str(SCRIPT), str(tmp_path / "out")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    assert lines == ["gpu_check: no CUDA device visible to torch; nothing was run"]
+    assert not (tmp_path / "out" / "gpu_tests.log").exists()
+
+
+# After pytest's start-up (which imports its plugins, hypothesis's among them), a None
+# entry in sys.modules makes every later import of hypothesis fail.
+_NO_HYPOTHESIS = """
+import sys, pytest
+class NoHypothesis:
+    def pytest_configure(self, config):
+        sys.modules["hypothesis"] = None
+sys.exit(pytest.main(sys.argv[1:], plugins=[NoHypothesis()]))
+"""
+
+
+def test_gpu_tests_collect_without_hypothesis():
+    """A GPU box may have torch, numba, numpy and pytest only: tests/gpu (and what it
+    imports from tests/) must collect with hypothesis unimportable, every file of it."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONDONTWRITEBYTECODE="1")
+    done = subprocess.run(
+        [sys.executable, "-c", _NO_HYPOTHESIS, "-q", "--collect-only", "-p",
+         "no:cacheprovider", "-p", "no:hypothesispytest", "tests/gpu"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    files = {line.split("::")[0] for line in done.stdout.splitlines() if "::" in line}
+    gpu_files = (ROOT / "tests" / "gpu").glob("test_*.py")
+    assert files == {f"tests/gpu/{path.name}" for path in gpu_files}

@@ -20,9 +20,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 from mtpmeta import ContextGPUView, MTPMetadata  # noqa: E402
 from mtpmeta.simulate.paged import PagedKVCache  # noqa: E402
-from tests.test_captured_loop import (CFG, CU_FIELDS, D, P, PADDED_FIELDS,  # noqa: E402
-                                      R, REAL_FIELDS, VIEW_TOKENS, W, run_depths, schedule,
-                                      toy_forward)
+from tests.captured_helpers import (CFG, CU_FIELDS, D, P, PADDED_FIELDS,  # noqa: E402
+                                    R, REAL_FIELDS, VIEW_TOKENS, W, run_depths, schedule,
+                                    toy_forward)
 
 CUDA = torch.device("cuda")
 

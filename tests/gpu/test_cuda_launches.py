@@ -6,7 +6,9 @@ may fall back to one launch per tensor on CUDA (its fast path needs one dtype, o
 device, dense tensors). Failure story: a draft depth that the op counter scores as 2
 ops launching a dozen copy kernels, which is the host cost the fusion exists to remove.
 Counted here: CUDA kernels and memcpys the profiler records for one call, on mtpmeta's
-view and on upstream's byte layout.
+view and on upstream's byte layout. Every call launches something, so a profiler that
+records nothing (CUPTI not permitted, say) cannot pass the upper bounds vacuously: the
+test skips saying so, and a call with 0 launches while others have some fails.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from mtpmeta.bench.workload import StepConfig, make_steps, run_step  # noqa: E40
 from tests.upstream_view import UpstreamLayoutView  # noqa: E402
 
 CONFIG = StepConfig()
-BUDGET = {"depth": 3, "commit": 4, "begin_decode": 2}
+# begin_decode: 2 H2D copies and the table's device-to-device copy (issue 23, F4).
+BUDGET = {"depth": 3, "commit": 4, "begin_decode": 3}
 
 
 def _device_activity(fn) -> int:
@@ -56,5 +59,9 @@ def test_mirror_calls_launch_within_their_budgets(layout):
         inherited_blocks=inputs.inherited, padded_token_count=inputs.padded_tokens,
         padded_request_count=inputs.padded_requests))
     meta.end_forward()
+    if not any(launches.values()):
+        pytest.skip(f"the CUDA profiler recorded no kernel or memcpy for any call "
+                    f"({launches}; CUPTI not permitted?): the launch budgets cannot be "
+                    f"checked")
     for name, budget in BUDGET.items():
-        assert launches[name] <= budget, launches
+        assert 0 < launches[name] <= budget, launches
