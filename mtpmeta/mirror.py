@@ -76,6 +76,7 @@ from .mirror_device import DeviceRoute
 from .placement import CopyPlan
 from .runtime import DeviceRuntime, StreamOrder, get_runtime
 from .cache import BoundedCache
+from .depth_stage import DepthStage
 from .staging import StagingRing
 
 __all__ = ["MirrorBackend"]
@@ -85,7 +86,7 @@ _WIDEST = ViewFields(**{name: torch.int64 for name in ViewFields._fields})
 _ALIGN = 8
 CopyPair = Tuple[Tensor, Tensor]  # (destination, source)
 # Plan kinds built on one forward ring (their keys carry its generation at index 1).
-_RING_PLANS = frozenset({"args", "h2d", "place"})
+_RING_PLANS = frozenset({"args", "h2d", "place", "depth"})
 
 
 class MirrorBackend:
@@ -160,7 +161,9 @@ class MirrorBackend:
         self._planned: "weakref.WeakSet[ViewTarget]" = weakref.WeakSet()  # ring plans
         self.device_route = DeviceRoute(buffers, block_size=block_size, dummy=dummy,
                                         runtime=runtime)
-        self._slices = BoundedCache(256)  # per-count views of the persistent buffers
+        # Per-count views of the persistent buffers and begin slots: keys are a name (a
+        # slot's at most) and a count <= R + 1, so this bound is never reached.
+        self._slices = BoundedCache(64 * (max_requests + 2))
         self._order = StreamOrder(self.device, runtime)  # of the persistent buffers
 
     @property
@@ -393,14 +396,41 @@ class MirrorBackend:
                                                self.host_block_table.shape[1]):
             return -1  # checked before a slot is taken: nothing written, nothing staged
         # The shadow holds O(padded) data and no table: mha_block_table comes from the
-        # persistent device table that begin_decode filled, device-to-device.
-        slot, layout, token_args, request_args = self._shadow(target, padded, padded, 0)
+        # persistent device table that begin_decode filled, device-to-device. Its
+        # layout is fixed per view (DepthStage), so no shape builds a plan.
+        stage = self._depth_stage(target)
+        if stage is None:
+            slot, layout, token_args, request_args = self._shadow(target, padded, padded,
+                                                                  0)
+        else:
+            slot = self._forward_ring.acquire()
+            token_args, request_args = stage.args(slot)
         max_kv = native.staging.decode_step_maps(
             self.host_offsets, self.host_block_table, count, padded, self.block_size,
             self.dummy, self._scratch_q, self._scratch_kv, *token_args, *request_args[:4])
-        self._flush(target, slot, layout, padded, count, padded, "pair", count,
-                    device_rows=count)
+        if stage is None:
+            self._flush(target, slot, layout, padded, count, padded, "pair", count,
+                        device_rows=count)
+        else:
+            stage.flush(slot, padded, count)
+            self._forward_ring.release(slot)
         return max_kv
+
+    def _depth_stage(self, target: ViewTarget) -> Optional[DepthStage]:
+        """The view's fixed draft-depth staging on the current forward ring (built on
+        the first depth), or None when its layout does not fit a slot (the depth then
+        takes the per-shape ``_shadow``/``_flush`` route)."""
+        key = ("depth", self._generation)
+        stage = target.plans.get(key)
+        if stage is None:
+            cap = min(self.max_requests, target.max_tokens, target.max_requests)
+            stage = DepthStage(target, self._forward_ring, self.buffers, self._minus_one,
+                               cap)
+            if stage.layout.nbytes > self._forward_ring.slot_bytes:
+                stage = False
+            target.plans.put(key, stage)
+            self._planned.add(target)
+        return stage or None
 
     # --------------------------------------------------------------- commit pass
     def stage_prefill_lengths(self, counts: np.ndarray, pad_tokens: int) -> int:
