@@ -76,7 +76,7 @@ from .mirror_device import DeviceRoute
 from .placement import CopyPlan
 from .runtime import DeviceRuntime, StreamOrder, get_runtime
 from .cache import BoundedCache
-from .depth_stage import DepthStage
+from .shadow_stage import CommitStage, DepthStage
 from .staging import StagingRing
 
 __all__ = ["MirrorBackend"]
@@ -86,7 +86,7 @@ _WIDEST = ViewFields(**{name: torch.int64 for name in ViewFields._fields})
 _ALIGN = 8
 CopyPair = Tuple[Tensor, Tensor]  # (destination, source)
 # Plan kinds built on one forward ring (their keys carry its generation at index 1).
-_RING_PLANS = frozenset({"args", "h2d", "place", "depth"})
+_RING_PLANS = frozenset({"args", "h2d", "place", "depth", "commit"})
 
 
 class MirrorBackend:
@@ -418,16 +418,16 @@ class MirrorBackend:
 
     def _depth_stage(self, target: ViewTarget) -> Optional[DepthStage]:
         """The view's fixed draft-depth staging on the current forward ring (built on
-        the first depth), or None when its layout does not fit a slot (the depth then
-        takes the per-shape ``_shadow``/``_flush`` route)."""
-        key = ("depth", self._generation)
+        the first depth), or None when it does not fit a slot (the depth then takes
+        the per-shape ``_shadow``/``_flush`` route)."""
+        return self._stage(target, "depth", lambda: DepthStage.fitting(
+            target, self._forward_ring, self.buffers, self._minus_one, self.max_requests))
+
+    def _stage(self, target: ViewTarget, kind: str, build):
+        key = (kind, self._generation)
         stage = target.plans.get(key)
         if stage is None:
-            cap = min(self.max_requests, target.max_tokens, target.max_requests)
-            stage = DepthStage(target, self._forward_ring, self.buffers, self._minus_one,
-                               cap)
-            if stage.layout.nbytes > self._forward_ring.slot_bytes:
-                stage = False
+            stage = build() or False  # False: cached "does not fit"
             target.plans.put(key, stage)
             self._planned.add(target)
         return stage or None
@@ -458,16 +458,34 @@ class MirrorBackend:
                     min_padded_requests: int, padded_requests: int) -> Tuple[int, int, int]:
         self.refuse_capture("setup_commit_pass")
         device_rows = self._rows_on_device(target, table, counts.shape[0], pad_tokens)
-        slot, layout, token_args, request_args = self._shadow(
-            target, padded_tokens, padded_requests, padded_requests - device_rows)
+        stage = self._commit_stage(target)
+        if stage is None or padded_tokens > stage.cap or padded_requests > stage.requests:
+            stage = None
+            slot, layout, token_args, request_args = self._shadow(
+                target, padded_tokens, padded_requests, padded_requests - device_rows)
+        else:  # a fixed layout: nothing is built per shape (CommitStage)
+            slot = self._forward_ring.acquire()
+            token_args, request_args = stage.args(slot)
         total, staged, padded_requests, max_len = native.staging.commit_pass(
             counts, *kernel_optional(starts), table, *kernel_optional(inherited),
             padded_tokens, pad_tokens, self.max_requests, min_padded_requests,
             self.block_size, self.dummy, device_rows, self._scratch_q, *token_args,
             *request_args)
-        self._flush(target, slot, layout, padded_tokens, total, padded_requests, "query",
-                    staged, device_rows)
+        if stage is None:
+            self._flush(target, slot, layout, padded_tokens, total, padded_requests,
+                        "query", staged, device_rows)
+        else:
+            stage.flush(slot, padded_tokens, total, padded_requests, staged, device_rows)
+            self._forward_ring.release(slot)
         return staged, padded_requests, max_len
+
+    def _commit_stage(self, target: ViewTarget) -> Optional[CommitStage]:
+        """The view's fixed commit-pass staging on the current forward ring
+        (``CommitStage.fitting``), or None. A pass beyond its capacities takes the
+        per-shape ``_shadow``/``_flush`` route (which grows the ring; the next
+        generation's stage then holds more)."""
+        return self._stage(target, "commit", lambda: CommitStage.fitting(
+            target, self._forward_ring, self.buffers, self.max_requests))
 
     def _note_device_table(self, count: int) -> None:
         """The persistent device table's rows ``[:count]`` now equal
