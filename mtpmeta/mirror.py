@@ -44,6 +44,13 @@ table, ``[:min(P, n)]``, when they equal the rows that draft loop staged (compar
 the host against ``host_block_table``, and only while torch's version counter of the
 persistent table says nothing wrote it since): a step whose commit pass follows its
 draft loop on one table ships that table once, not twice (``_rows_on_device``).
+Draft depths and commit passes stage through one fixed layout per view and kind
+(``shadow_stage.py``: field offsets independent of the counts, kernel arguments built
+once per slot, placement pairs from prefixes cached by their own length), so traffic
+whose counts change every step builds no layout or plan; the same ops as a
+``CopyPlan``, and the H2D copy also carries the unplaced tails of the fields before
+the last one. The writers, and a pass beyond the fixed capacities, take the per-shape
+route (``_shadow``/``_flush``).
 The H2D copy is one contiguous byte range: copying strided pinned memory straight into
 the view would make PyTorch stage each non-contiguous H2D copy through a temporary (an
 allocation and a kernel); ``staging_slots`` (default 8) bounds how many staged calls

@@ -1,23 +1,29 @@
-"""Shape-free staging of a draft depth on the mirror path (``MirrorBackend.decode_step``).
+"""Shape-free staging of draft depths and commit passes on the mirror path.
 
-A draft depth's shadow has one fixed layout per view and forward ring: every field at
-the depth capacity ``cap = min(R, view max_tokens, view max_requests)`` (a depth's
-``padded <= cap``), at offsets that do not depend on the depth's ``(count, padded)``,
-and no block-table rows. So the kernels' numpy arguments are built once per slot, and
-the H2D copy is the slot's leading bytes up to the end of ``mha_cu_kv_seq_lengths[:p
-+ 1]`` (the last field; the bytes past a field's written part are shipped, never
-placed). The placement's ``(destination, source)`` pairs are prefixes of fixed
-tensors, each cached by its own length (and slot, for the device stage), never by the
-combination of lengths or by anything else: a trace whose counts keep changing builds
-no layout and no plan, and at most one slice per new (tensor, length). Pairs are
-grouped per call exactly as ``CopyPlan`` groups them (same ops: one
-``_foreach_copy_`` per word dtype, a ``copy_`` per dtype conversion or lone pair).
+Each kind of forward has one fixed shadow layout per view and forward ring
+(``DepthStage``, ``CommitStage``): every field at a capacity, at offsets that do not
+depend on the forward's counts. So the kernels' numpy arguments and the slot's typed
+device fields are built once per slot, and nothing is built per shape:
 
-Placement of a depth of ``n`` real rows padded to ``p`` (the same copies as
-``MirrorBackend._placement``): block and local offset ``[:p]``; request, position and
-pos id ``[:n]``; query/KV lengths ``[:p]``, their sums ``[:p + 1]``; table rows
-``[:n]`` from the persistent device table, ``[n:p]`` from a device block of -1; the
-persistent query/KV lengths ``[:n]`` from the staged lengths.
+* the H2D copy is the slot's leading bytes up to the written part of the field that
+  sits last (a depth's ``mha_cu_kv_seq_lengths[:p + 1]``, a commit pass's table rows):
+  the bytes past another field's written part are shipped, never placed;
+* the placement's ``(destination, source)`` pairs are prefixes of fixed tensors, each
+  cached by its own length (per slot on the device-stage side; on the view side
+  shared by all slots), never by the combination of lengths: once a trace's lengths
+  were seen, it builds no layout, plan or slice at all, whatever its mix of counts;
+* pairs are grouped as ``CopyPlan`` groups them (the same ops: one ``_foreach_copy_``
+  per word dtype and device, a ``copy_`` per dtype conversion or lone pair, groups
+  first, empty pairs dropped), from groups fixed per view.
+
+The copies are those of ``MirrorBackend._placement``. A depth of ``n`` rows padded to
+``p``: block and local offset ``[:p]``; request, position and pos id ``[:n]``;
+query/KV lengths ``[:p]``, their sums ``[:p + 1]``; table rows ``[:n]`` from the
+persistent device table and ``[n:p]`` from a device block of -1; the persistent
+query/KV lengths ``[:n]``. A commit pass of ``T`` tokens padded to ``t``, ``r``
+request slots, ``m`` staged lengths and ``d`` device rows: tokens as a depth's over
+``t`` and ``T``, lengths over ``r``, table rows ``[:d]`` from the persistent table and
+``[d:r]`` from the shadow, the persistent query lengths ``[:m]``.
 """
 
 from __future__ import annotations
@@ -27,105 +33,124 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .cache import BoundedCache
 from .gpu_view import ViewFields, ViewTarget, kernel_args, view_entries
 from .layout import PackedLayout
 from .placement import word_view
 
-__all__ = ["DepthStage", "CommitStage", "run_grouped"]
+__all__ = ["DepthStage", "CommitStage"]
 
 _ALIGN = 8
 _PAD_ROWS = ("token_to_block_idx", "token_to_local_position_within_kv_block")
 _REAL_ROWS = ("token_to_request_idx", "token_to_position_in_request", "token_to_pos_ids")
 _LENGTHS = ("mha_query_lengths", "mha_kv_seq_lengths")
 _SUMS = ("mha_cu_query_seq_lengths", "mha_cu_kv_seq_lengths")
-_FIELDS = _PAD_ROWS + _REAL_ROWS + _LENGTHS + _SUMS + ("mha_block_table",)
+_TABLE = "mha_block_table"
+# The nine pairs every staged forward places, in order: (view field, staged field).
+_COMMON = _PAD_ROWS + _REAL_ROWS + _LENGTHS + _SUMS
 # Memory orders of the two fixed shadows (whatever VIEW_FIELDS' order): the field a
 # forward's H2D copy ends in sits last.
-_DEPTH = ("mha_block_table",) + _PAD_ROWS + _REAL_ROWS + _LENGTHS + _SUMS
-_COMMIT = _LENGTHS + _SUMS + _REAL_ROWS + _PAD_ROWS + ("mha_block_table",)
+_DEPTH = (_TABLE,) + _COMMON
+_COMMIT = _LENGTHS + _SUMS + _REAL_ROWS + _PAD_ROWS + (_TABLE,)
 
 
 class _Prefixes:
-    """Prefixes ``[:k]`` (rows, for a 2-D tensor) of one tensor, as int32 words when
-    the pair it belongs to copies words; cached by ``k`` in the stage's cache."""
+    """Prefixes ``[:k]`` (leading rows of a 2-D tensor) and row ranges of one tensor,
+    as int32 words when its pair copies words, each built once (``counter[0]`` counts
+    the builds)."""
 
-    __slots__ = ("tensor", "scale", "key")
+    __slots__ = ("tensor", "scale", "cache", "ranges", "counter")
 
-    def __init__(self, tensor: Tensor, words: bool, key: Any) -> None:
+    def __init__(self, tensor: Tensor, words: bool, counter: List[int]) -> None:
         viewed = word_view(tensor) if words else tensor
         self.tensor = viewed
-        # Words per element along dim 0 of a 1-D tensor (an int64 field is 2 words).
-        self.scale = viewed.shape[0] // max(tensor.shape[0], 1) if tensor.dim() == 1 \
-            and tensor.shape[0] else 1
-        self.key = key
+        # Words per element of a 1-D tensor (an int64 field read as words: 2).
+        self.scale = viewed.shape[0] // tensor.shape[0] \
+            if tensor.dim() == 1 and tensor.shape[0] else 1
+        self.cache: Dict[int, Tensor] = {}  # k -> [:k]; k <= the tensor's length + 1
+        self.ranges: Dict[Tuple[int, int], Tensor] = {}  # (start, stop) -> rows
+        self.counter = counter
+
+    def build(self, count: int) -> Tensor:
+        value = self.tensor[:count * self.scale]
+        self.cache[count] = value
+        self.counter[0] += 1
+        return value
+
+    def rows(self, start: int, stop: int) -> Tensor:
+        value = self.ranges.get((start, stop))
+        if value is None:
+            value = self.tensor[start:stop]
+            self.ranges[(start, stop)] = value
+            self.counter[0] += 1
+        return value
 
 
-def _words(dst: Tensor, src: Tensor) -> Tuple[bool, Optional[Tuple[torch.dtype, Any]]]:
+def _mode(dst: Tensor, src: Tensor) -> Tuple[bool, Any]:
     """``(as_words, group)`` of a pair, by ``CopyPlan``'s rule: a dtype or device change
-    is a single (``group`` None); else both sides as int32 words when both can be, and
-    the group is the dtype and device of what is copied."""
+    is a single (``group`` None); else both sides as int32 words when both can be read
+    so, grouped by the dtype and device of what is copied."""
     if dst.dtype != src.dtype or dst.device != src.device:
         return False, None
     dw, sw = word_view(dst), word_view(src)
     as_words = dw.dtype == sw.dtype and dw.dim() == sw.dim() and \
-        (dw.shape[-1] // max(dst.shape[-1], 1)) == (sw.shape[-1] // max(src.shape[-1], 1))
-    dtype = dw.dtype if as_words else dst.dtype
-    return as_words, (dtype, dst.device)
+        dw.shape[-1] * src.shape[-1] == sw.shape[-1] * dst.shape[-1]
+    return as_words, (dw.dtype if as_words else dst.dtype, dst.device)
 
 
 class _FixedStage:
-    """A shadow layout of one view on one forward ring whose field offsets do not
-    depend on the forward's shape, its per-slot kernel arguments and device fields,
-    and the cached prefixes its placements use.
-
-    ``entries`` are the layout's fields in memory order; the H2D copy of a forward
-    ends at ``end_field``'s written part (``end_field``, the last field written, sits
-    last). ``built`` counts what was built (the layout, argument sets, device field
-    sets, H2D pairs, slices): a count test asserts it stops growing once every
-    (tensor, length) of a trace was seen.
-    """
+    """A fixed shadow layout (``entries`` in memory order, the H2D copy ending in
+    ``entries[-1]``) of one view on one forward ring, its per-slot kernel arguments and
+    device fields, and the prefixes its placements use. ``built`` counts what was built
+    (the layout, argument sets, device field sets, H2D pairs, prefixes): it stops
+    growing once every (tensor, length) of a trace was seen."""
 
     def __init__(self, target: ViewTarget, ring: Any, buffers: Any, entries: Any,
-                 end_field: str, cap: int) -> None:
+                 cap: int, extra: Dict[str, Tuple[Tensor, str]]) -> None:
+        """``extra``: pairs besides ``_COMMON``, by role: ``(destination, staged field
+        name or None)``; a role's source is then ``extra_sources[role]``."""
         self.layout = PackedLayout.build(entries, align=_ALIGN)
         self.cap = cap
-        last = self.layout.names.index(end_field)
-        self._end_base = self.layout.offsets[last]
+        last = len(entries) - 1
         shape = self.layout.shapes[last]
-        self._end_item = self.layout.dtypes[last].itemsize * (shape[1] if len(shape) > 1
-                                                              else 1)
+        self._end_base = self.layout.offsets[last]
+        self._end_item = self.layout.dtypes[last].itemsize * (
+            shape[1] if len(shape) > 1 else 1)
         self.ring = ring
-        self.target = target
-        self.buffers = buffers
+        self._counter = [1]  # the layout
         slots = ring.num_slots
         self._args: List[Optional[Tuple[Any, Any]]] = [None] * slots
-        self._staged: List[Optional[Dict[str, _Prefixes]]] = [None] * slots
         self._h2d: List[Dict[int, Tuple[Tensor, Tensor]]] = [{} for _ in range(slots)]
-        # Keys are (tensor, slot, length) with lengths <= the capacity, and the view's
-        # row ranges: bounded by the capacity, never by the number of steps.
-        self._cache = BoundedCache((slots + 2) * 16 * (cap + 2) + 4096)
-        self.built = 1  # the layout
-        view = target.fields
+        self._roles: List[Optional[List[Tuple[_Prefixes, _Prefixes, int]]]] = [None] * slots
+        fields = target.fields
         staged0 = self.layout.tensors(ring.device_slots[0])
-        self._modes: Dict[str, Tuple[bool, Any]] = {}
-        for name in _FIELDS:
-            self._modes[name] = _words(getattr(view, name), getattr(staged0, name))
-        self._modes["table"] = _words(view.mha_block_table, buffers.block_table)
-        self._modes["query_lengths"] = _words(buffers.query_lengths,
-                                              staged0.mha_query_lengths)
-        self._modes["kv_lengths"] = _words(buffers.kv_lengths, staged0.mha_kv_seq_lengths)
-        self._view = {name: _Prefixes(getattr(view, name), self._modes[name][0],
-                                      ("view", name)) for name in _FIELDS}
-        self._view["table"] = _Prefixes(view.mha_block_table, self._modes["table"][0],
-                                        ("view", "table"))
-        self._buffer_table = _Prefixes(buffers.block_table, self._modes["table"][0],
-                                       ("buffer", "table"))
-        self._lengths = {
-            "query_lengths": _Prefixes(buffers.query_lengths,
-                                       self._modes["query_lengths"][0], ("buffer", "q")),
-            "kv_lengths": _Prefixes(buffers.kv_lengths, self._modes["kv_lengths"][0],
-                                    ("buffer", "kv"))}
+        # Role -> (destination, source of slot 0, staged field or None).
+        self._pairs = [(getattr(fields, name), getattr(staged0, name), name)
+                       for name in _COMMON]
+        self._pairs += [(dst, getattr(staged0, src) if isinstance(src, str) else src,
+                         src if isinstance(src, str) else None)
+                        for dst, src in extra.values()]
+        modes = [_mode(dst, src) for dst, src, _ in self._pairs]
+        self._group_keys: List[Any] = []
+        self._group_ids = [self._group(group) for _, group in modes]
+        self._dsts = [_Prefixes(dst, words, self._counter)
+                      for (dst, _, _), (words, _) in zip(self._pairs, modes)]
+        self._words = [words for words, _ in modes]
+        # Sources that are not staged (persistent buffers) are shared by all slots.
+        self._fixed_srcs = [None if name is not None else
+                            _Prefixes(src, words, self._counter)
+                            for (_, src, name), words in zip(self._pairs, self._words)]
+
+    def _group(self, key: Any) -> int:
+        """The index of the copy group ``key`` (``_mode``'s), -1 for a single."""
+        if key is None:
+            return -1
+        if key not in self._group_keys:
+            self._group_keys.append(key)
+        return self._group_keys.index(key)
+
+    @property
+    def built(self) -> int:
+        return self._counter[0]
 
     def args(self, slot: int) -> Tuple[Any, Any]:
         """The kernels' ``(token_args, request_args)`` numpy fields of ``slot``."""
@@ -133,71 +158,66 @@ class _FixedStage:
         if args is None:
             args = kernel_args(self.layout.arrays(self.ring.host_np[slot]))
             self._args[slot] = args
-            self.built += 1
+            self._counter[0] += 1
         return args
 
-    def _prefix(self, prefixes: _Prefixes, count: int, slot: int = -1) -> Tensor:
-        key = (prefixes.key, slot, count)
-        value = self._cache.get(key)
-        if value is None:
-            value = prefixes.tensor[:count * prefixes.scale]
-            self._cache.put(key, value)
-            self.built += 1
-        return value
-
-    def _rows(self, prefixes: _Prefixes, start: int, stop: int) -> Tensor:
-        """Rows ``[start:stop]`` of a 2-D ``prefixes`` tensor (the view's table)."""
-        key = (prefixes.key, start, stop)
-        value = self._cache.get(key)
-        if value is None:
-            value = prefixes.tensor[start:stop]
-            self._cache.put(key, value)
-            self.built += 1
-        return value
-
-    def _stage(self, slot: int) -> Dict[str, _Prefixes]:
-        staged = self._staged[slot]
-        if staged is None:
-            fields = self.layout.tensors(self.ring.device_slots[slot])
-            staged = {name: _Prefixes(getattr(fields, name), self._modes[name][0],
-                                      ("stage", name)) for name in _FIELDS}
-            staged["query_lengths"] = _Prefixes(fields.mha_query_lengths,
-                                                self._modes["query_lengths"][0],
-                                                ("stage", "q"))
-            staged["kv_lengths"] = _Prefixes(fields.mha_kv_seq_lengths,
-                                             self._modes["kv_lengths"][0],
-                                             ("stage", "kv"))
-            staged["table"] = _Prefixes(fields.mha_block_table, self._modes[
-                "mha_block_table"][0], ("stage", "table"))
-            self._staged[slot] = staged
-            self.built += 1
-        return staged
-
-    def _ship(self, slot: int, written: int) -> Dict[str, _Prefixes]:
-        """The H2D copy of ``slot`` up to ``written`` elements (rows) of the end field;
-        returns the slot's device fields."""
+    def _ship(self, slot: int, written: int) -> List[Tuple[_Prefixes, _Prefixes, int]]:
+        """Issue the H2D copy of ``slot`` up to ``written`` elements (rows) of the last
+        field; return the slot's roles ``(destination, source, group)``."""
         end = self._end_base + written * self._end_item
         h2d = self._h2d[slot].get(end)
         if h2d is None:
             h2d = (self.ring.device_slots[slot][:end], self.ring.slots[slot][:end])
             self._h2d[slot][end] = h2d
-            self.built += 1
+            self._counter[0] += 1
         h2d[0].copy_(h2d[1], non_blocking=True)
-        return self._stage(slot)
+        roles = self._roles[slot]
+        if roles is None:
+            staged = self.layout.tensors(self.ring.device_slots[slot])
+            roles = [(dst, fixed if fixed is not None else
+                      _Prefixes(getattr(staged, name), words, self._counter), group)
+                     for dst, fixed, (_, _, name), words, group in zip(
+                         self._dsts, self._fixed_srcs, self._pairs, self._words,
+                         self._group_ids)]
+            self._roles[slot] = roles
+            self._counter[0] += 1
+        return roles
 
-    def _common(self, staged: Dict[str, _Prefixes], slot: int, tokens: int,
-                real_tokens: int, requests: int) -> List[Tuple[Tensor, Tensor, Any]]:
-        """The token and length pairs every staged forward places."""
-        view, prefix, modes = self._view, self._prefix, self._modes
-        pairs = []
-        for name, count in ((_PAD_ROWS[0], tokens), (_PAD_ROWS[1], tokens),
-                            (_REAL_ROWS[0], real_tokens), (_REAL_ROWS[1], real_tokens),
-                            (_REAL_ROWS[2], real_tokens), (_LENGTHS[0], requests),
-                            (_LENGTHS[1], requests), (_SUMS[0], requests + 1),
-                            (_SUMS[1], requests + 1)):
-            pairs.append((prefix(view[name], count), prefix(staged[name], count, slot),
-                          modes[name][1]))
-        return pairs
+    def _place(self, roles: List[Tuple[_Prefixes, _Prefixes, int]], counts: Tuple[int, ...],
+               extra: List[Tuple[Tensor, Tensor, int]]) -> None:
+        """Issue the copies: role ``i`` over ``[:counts[i]]`` (0: dropped), then the
+        ``extra`` ``(destination, source, group)`` pairs, grouped as ``CopyPlan``."""
+        groups = len(self._group_keys)
+        dsts: List[List[Tensor]] = [[] for _ in range(groups)]
+        srcs: List[List[Tensor]] = [[] for _ in range(groups)]
+        singles = []
+        for (dst_p, src_p, group), count in zip(roles, counts):
+            if not count:
+                continue
+            dst = dst_p.cache.get(count)
+            if dst is None:
+                dst = dst_p.build(count)
+            src = src_p.cache.get(count)
+            if src is None:
+                src = src_p.build(count)
+            if group < 0:
+                singles.append((dst, src))
+            else:
+                dsts[group].append(dst)
+                srcs[group].append(src)
+        for dst, src, group in extra:
+            if group < 0:
+                singles.append((dst, src))
+            else:
+                dsts[group].append(dst)
+                srcs[group].append(src)
+        for group_dsts, group_srcs in zip(dsts, srcs):
+            if len(group_dsts) > 1:
+                torch._foreach_copy_(group_dsts, group_srcs, non_blocking=True)
+            elif group_dsts:
+                singles.append((group_dsts[0], group_srcs[0]))
+        for dst, src in singles:
+            dst.copy_(src, non_blocking=True)
 
 
 class DepthStage(_FixedStage):
@@ -206,16 +226,22 @@ class DepthStage(_FixedStage):
     def __init__(self, target: ViewTarget, ring: Any, buffers: Any, minus_one: Tensor,
                  cap: int) -> None:
         dtypes = ViewFields(*(tensor.dtype for tensor in target.fields))
-        by_name = {name: (name, dtype, (0, target.width)) if name == "mha_block_table"
+        by_name = {name: (name, dtype, (0, target.width)) if name == _TABLE
                    else (name, dtype, shape)
                    for name, dtype, shape in view_entries(cap, cap, target.width, dtypes)}
+        table = target.fields.mha_block_table
         super().__init__(target, ring, buffers, tuple(by_name[name] for name in _DEPTH),
-                         _DEPTH[-1], cap)
-        self.minus_one = minus_one
-        self._modes["pad"] = _words(target.fields.mha_block_table,
-                                    minus_one[:target.width].view(1, target.width))
-        self._view["pad"] = _Prefixes(target.fields.mha_block_table,
-                                      self._modes["pad"][0], ("view", "pad"))
+                         cap, {"table": (table, buffers.block_table),
+                               "query_lengths": (buffers.query_lengths, _LENGTHS[0]),
+                               "kv_lengths": (buffers.kv_lengths, _LENGTHS[1])})
+        width = target.width
+        pad_words, pad_group = _mode(table, minus_one[:width].view(1, width))
+        self._pad_view = _Prefixes(table, pad_words, self._counter)
+        self._pad_group = self._group(pad_group)
+        self._pad_words = pad_words
+        self._minus_one = minus_one
+        self._pad_blocks: Dict[int, Tensor] = {}
+        self._width = width
 
     @classmethod
     def fitting(cls, target: ViewTarget, ring: Any, buffers: Any, minus_one: Tensor,
@@ -227,35 +253,25 @@ class DepthStage(_FixedStage):
         return stage if stage.layout.nbytes <= ring.slot_bytes else None
 
     def _pad_block(self, rows: int) -> Tensor:
-        key = ("pad", rows)
-        value = self._cache.get(key)
+        value = self._pad_blocks.get(rows)
         if value is None:
-            width = self.target.width
-            value = self.minus_one[:rows * width].view(rows, width)
-            if self._modes["pad"][0]:
+            value = self._minus_one[:rows * self._width].view(rows, self._width)
+            if self._pad_words:
                 value = word_view(value)
-            self._cache.put(key, value)
-            self.built += 1
+            self._pad_blocks[rows] = value
+            self._counter[0] += 1
         return value
 
     def flush(self, slot: int, padded: int, count: int) -> None:
         """Copy ``slot``'s shadow of a depth of ``count`` rows padded to ``padded`` to
-        its device stage (one H2D copy) and place it (the ops ``CopyPlan`` would
-        issue). The caller records the slot's fence after."""
-        staged = self._ship(slot, padded + 1)
-        pairs = self._common(staged, slot, padded, count, padded)
-        modes, prefix = self._modes, self._prefix
-        table = self._view["table"]
-        pairs.append((prefix(table, count), prefix(self._buffer_table, count),
-                      modes["table"][1]))
-        if padded > count:
-            pairs.append((self._rows(self._view["pad"], count, padded),
-                          self._pad_block(padded - count),
-                          modes["pad"][1]))
-        for name in ("query_lengths", "kv_lengths"):
-            pairs.append((prefix(self._lengths[name], count),
-                          prefix(staged[name], count, slot), modes[name][1]))
-        run_grouped(pairs)
+        its device stage (one H2D copy) and place it. The caller records the slot's
+        fence after."""
+        roles = self._ship(slot, padded + 1)
+        extra = [] if padded == count else [
+            (self._pad_view.rows(count, padded), self._pad_block(padded - count),
+             self._pad_group)]
+        self._place(roles, (padded, padded, count, count, count, padded, padded,
+                            padded + 1, padded + 1, count, count, count), extra)
 
 
 class CommitStage(_FixedStage):
@@ -268,9 +284,17 @@ class CommitStage(_FixedStage):
         dtypes = ViewFields(*(tensor.dtype for tensor in target.fields))
         by_name = {entry[0]: entry
                    for entry in view_entries(requests, cap, target.width, dtypes)}
+        table = target.fields.mha_block_table
         super().__init__(target, ring, buffers, tuple(by_name[name] for name in _COMMIT),
-                         _COMMIT[-1], cap)
+                         cap, {"table": (table, buffers.block_table),
+                               "query_lengths": (buffers.query_lengths, _LENGTHS[0])})
         self.requests = requests
+        words, group = _mode(table,
+                             self.layout.tensors(ring.device_slots[0]).mha_block_table)
+        self._rows_view = _Prefixes(table, words, self._counter)
+        self._rows_src: List[Optional[_Prefixes]] = [None] * ring.num_slots
+        self._rows_words = words
+        self._rows_group = self._group(group)
 
     @classmethod
     def fitting(cls, target: ViewTarget, ring: Any, buffers: Any,
@@ -294,42 +318,23 @@ class CommitStage(_FixedStage):
 
     def flush(self, slot: int, tokens: int, real_tokens: int, requests: int,
               staged_count: int, device_rows: int) -> None:
-        """Ship and place a commit pass (``MirrorBackend._placement`` with
-        ``to_lengths="query"``): table rows ``[:device_rows]`` from the persistent
-        device table, ``[device_rows:requests]`` from the shadow's leading rows."""
-        staged = self._ship(slot, requests - device_rows)
-        pairs = self._common(staged, slot, tokens, real_tokens, requests)
-        modes, prefix = self._modes, self._prefix
-        table = self._view["table"]
-        pairs.append((prefix(table, device_rows), prefix(self._buffer_table, device_rows),
-                      modes["table"][1]))
-        pairs.append((self._rows(self._view["mha_block_table"], device_rows, requests),
-                      prefix(staged["table"], requests - device_rows, slot),
-                      modes["mha_block_table"][1]))
-        pairs.append((prefix(self._lengths["query_lengths"], staged_count),
-                      prefix(staged["query_lengths"], staged_count, slot),
-                      modes["query_lengths"][1]))
-        run_grouped(pairs)
-
-
-def run_grouped(pairs: List[Tuple[Tensor, Tensor, Any]]) -> None:
-    """Issue ``(dst, src, group)`` copies as ``CopyPlan`` would: empty ones dropped,
-    one ``_foreach_copy_`` per group of two or more, a ``copy_`` per single (group
-    None) or lone member, groups first."""
-    groups: Dict[Any, List[Tuple[Tensor, Tensor]]] = {}
-    singles = []
-    for dst, src, group in pairs:
-        if dst.numel() == 0:
-            continue
-        if group is None:
-            singles.append((dst, src))
-        else:
-            groups.setdefault(group, []).append((dst, src))
-    for members in groups.values():
-        if len(members) == 1:
-            singles.append(members[0])
-        else:
-            torch._foreach_copy_([d for d, _ in members], [s for _, s in members],
-                                 non_blocking=True)
-    for dst, src in singles:
-        dst.copy_(src, non_blocking=True)
+        """Ship and place a commit pass: table rows ``[:device_rows]`` from the
+        persistent device table, ``[device_rows:requests]`` from the shadow."""
+        shadow_rows = requests - device_rows
+        roles = self._ship(slot, shadow_rows)
+        extra = []
+        if shadow_rows:
+            source = self._rows_src[slot]
+            if source is None:
+                staged = self.layout.tensors(self.ring.device_slots[slot])
+                source = _Prefixes(staged.mha_block_table, self._rows_words,
+                                   self._counter)
+                self._rows_src[slot] = source
+            src = source.cache.get(shadow_rows)
+            if src is None:
+                src = source.build(shadow_rows)
+            extra.append((self._rows_view.rows(device_rows, requests), src,
+                          self._rows_group))
+        self._place(roles, (tokens, tokens, real_tokens, real_tokens, real_tokens,
+                            requests, requests, requests + 1, requests + 1, device_rows,
+                            staged_count), extra)
