@@ -67,7 +67,7 @@ built on the dropped ring are purged from every view that holds them.
 from __future__ import annotations
 
 import weakref
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import numpy as np
 import torch
@@ -80,7 +80,7 @@ from .gpu_view import ViewFields, ViewTarget, kernel_args, view_entries
 from .inputs import kernel_optional
 from .layout import PackedLayout, numpy_dtype
 from .mirror_device import DeviceRoute
-from .placement import CopyPlan
+from .placement import CopyPlan, forward_pairs
 from .runtime import DeviceRuntime, StreamOrder, get_runtime
 from .cache import BoundedCache
 from .shadow_stage import CommitStage, DepthStage
@@ -91,7 +91,6 @@ __all__ = ["MirrorBackend"]
 # Staging capacity is planned for 8-byte fields, the widest a view may use.
 _WIDEST = ViewFields(**{name: torch.int64 for name in ViewFields._fields})
 _ALIGN = 8
-CopyPair = Tuple[Tensor, Tensor]  # (destination, source)
 # Plan kinds built on one forward ring (their keys carry its generation at index 1).
 _RING_PLANS = frozenset({"args", "h2d", "place", "depth", "commit"})
 
@@ -283,50 +282,12 @@ class MirrorBackend:
         plan = plans.get(key)
         if plan is None:
             staged = layout.tensors(ring.device_slots[slot])
-            plan = CopyPlan(self._placement(target.fields, staged, tokens, real_tokens,
-                                            requests, to_lengths, lengths_count,
-                                            device_rows))
+            plan = CopyPlan(forward_pairs(target.fields, staged, self.buffers,
+                                          self._minus_one, tokens, real_tokens, requests,
+                                          to_lengths, lengths_count, device_rows))
             plans.put(key, plan)
         plan.run()
         ring.release(slot)
-
-    def _placement(self, view, staged, tokens: int, real_tokens: int,
-                   requests: Optional[int], to_lengths: str, lengths_count: int,
-                   device_rows: int) -> List[CopyPair]:
-        """The copies of ``_flush`` as ``(destination, source)`` pairs."""
-        # Block and local offset over the padded rows; request, position and pos id
-        # over the real ones only (pad rows keep theirs).
-        pairs = [(getattr(view, name)[:tokens], getattr(staged, name)[:tokens])
-                 for name in ("token_to_block_idx",
-                              "token_to_local_position_within_kv_block")]
-        pairs += [(getattr(view, name)[:real_tokens], getattr(staged, name)[:real_tokens])
-                  for name in ("token_to_request_idx", "token_to_position_in_request",
-                               "token_to_pos_ids")]
-        buffers = self.buffers
-        if requests is not None:
-            pairs += [(view.mha_query_lengths[:requests], staged.mha_query_lengths),
-                      (view.mha_kv_seq_lengths[:requests], staged.mha_kv_seq_lengths),
-                      (view.mha_cu_query_seq_lengths[:requests + 1],
-                       staged.mha_cu_query_seq_lengths),
-                      (view.mha_cu_kv_seq_lengths[:requests + 1],
-                       staged.mha_cu_kv_seq_lengths)]
-            table = view.mha_block_table
-            staged_end = device_rows + staged.mha_block_table.shape[0]
-            pad_rows = requests - staged_end
-            pairs += [(table[:device_rows], buffers.block_table[:device_rows]),
-                      (table[device_rows:staged_end], staged.mha_block_table),
-                      (table[staged_end:requests],
-                       self._minus_one[:pad_rows * table.shape[1]]
-                       .view(pad_rows, table.shape[1]))]
-        if to_lengths == "pair":
-            pairs += [(buffers.query_lengths[:lengths_count],
-                       staged.mha_query_lengths[:lengths_count]),
-                      (buffers.kv_lengths[:lengths_count],
-                       staged.mha_kv_seq_lengths[:lengths_count])]
-        elif to_lengths == "query":
-            pairs.append((buffers.query_lengths[:lengths_count],
-                          staged.mha_query_lengths[:lengths_count]))
-        return pairs
 
     # ---------------------------------------------------------------- draft loop
     def begin_decode(self, count: int, start_positions: np.ndarray,
