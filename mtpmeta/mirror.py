@@ -388,17 +388,19 @@ class MirrorBackend:
         """The view's fixed draft-depth staging on the current forward ring (built on
         the first depth), or None when it does not fit a slot (the depth then takes
         the per-shape ``_shadow``/``_flush`` route)."""
-        return self._stage(target, "depth", lambda: DepthStage.fitting(
-            target, self._forward_ring, self.buffers, self._minus_one, self.max_requests))
-
-    def _stage(self, target: ViewTarget, kind: str, build):
-        key = (kind, self._generation)
-        stage = target.plans.get(key)
+        stage = target.plans.get(("depth", self._generation))
         if stage is None:
-            stage = build() or False  # False: cached "does not fit"
-            target.plans.put(key, stage)
-            self._planned.add(target)
+            stage = self._keep_stage(target, "depth", DepthStage.fitting(
+                target, self._forward_ring, self.buffers, self._minus_one,
+                self.max_requests))
         return stage or None
+
+    def _keep_stage(self, target: ViewTarget, kind: str, stage):
+        """Cache ``stage`` (False: "does not fit") on the view for this ring."""
+        stage = stage or False
+        target.plans.put((kind, self._generation), stage)
+        self._planned.add(target)
+        return stage
 
     # --------------------------------------------------------------- commit pass
     def stage_prefill_lengths(self, counts: np.ndarray, pad_tokens: int) -> int:
@@ -452,8 +454,11 @@ class MirrorBackend:
         (``CommitStage.fitting``), or None. A pass beyond its capacities takes the
         per-shape ``_shadow``/``_flush`` route (which grows the ring; the next
         generation's stage then holds more)."""
-        return self._stage(target, "commit", lambda: CommitStage.fitting(
-            target, self._forward_ring, self.buffers, self.max_requests))
+        stage = target.plans.get(("commit", self._generation))
+        if stage is None:
+            stage = self._keep_stage(target, "commit", CommitStage.fitting(
+                target, self._forward_ring, self.buffers, self.max_requests))
+        return stage or None
 
     def _note_device_table(self, count: int) -> None:
         """The persistent device table's rows ``[:count]`` now equal

@@ -187,9 +187,25 @@ class _FixedStage:
                extra: List[Tuple[Tensor, Tensor, int]]) -> None:
         """Issue the copies: role ``i`` over ``[:counts[i]]`` (0: dropped), then the
         ``extra`` ``(destination, source, group)`` pairs, grouped as ``CopyPlan``."""
-        groups = len(self._group_keys)
-        dsts: List[List[Tensor]] = [[] for _ in range(groups)]
-        srcs: List[List[Tensor]] = [[] for _ in range(groups)]
+        if self._single_group:  # the usual case: every pair in group 0, no single
+            dsts: List[Tensor] = []
+            srcs: List[Tensor] = []
+            for (dst_p, src_p, _), count in zip(roles, counts):
+                if count:
+                    dst = dst_p.cache.get(count)
+                    src = src_p.cache.get(count)
+                    dsts.append(dst if dst is not None else dst_p.build(count))
+                    srcs.append(src if src is not None else src_p.build(count))
+            for dst, src, _ in extra:
+                dsts.append(dst)
+                srcs.append(src)
+            if len(dsts) > 1:
+                torch._foreach_copy_(dsts, srcs, non_blocking=True)
+            elif dsts:
+                dsts[0].copy_(srcs[0], non_blocking=True)
+            return
+        groups: List[Tuple[List[Tensor], List[Tensor]]] = [
+            ([], []) for _ in self._group_keys]
         singles = []
         for (dst_p, src_p, group), count in zip(roles, counts):
             if not count:
@@ -203,21 +219,29 @@ class _FixedStage:
             if group < 0:
                 singles.append((dst, src))
             else:
-                dsts[group].append(dst)
-                srcs[group].append(src)
+                groups[group][0].append(dst)
+                groups[group][1].append(src)
         for dst, src, group in extra:
             if group < 0:
                 singles.append((dst, src))
             else:
-                dsts[group].append(dst)
-                srcs[group].append(src)
-        for group_dsts, group_srcs in zip(dsts, srcs):
+                groups[group][0].append(dst)
+                groups[group][1].append(src)
+        for group_dsts, group_srcs in groups:
             if len(group_dsts) > 1:
                 torch._foreach_copy_(group_dsts, group_srcs, non_blocking=True)
             elif group_dsts:
                 singles.append((group_dsts[0], group_srcs[0]))
         for dst, src in singles:
             dst.copy_(src, non_blocking=True)
+
+    def _seal(self) -> None:
+        """Called by a subclass once its extra pairs' groups are registered."""
+        self._single_group = len(self._group_keys) == 1 and min(self._group_ids) == 0 \
+            and all(group == 0 for group in self._extra_groups())
+
+    def _extra_groups(self) -> List[int]:
+        return []
 
 
 class DepthStage(_FixedStage):
@@ -242,6 +266,10 @@ class DepthStage(_FixedStage):
         self._minus_one = minus_one
         self._pad_blocks: Dict[int, Tensor] = {}
         self._width = width
+        self._seal()
+
+    def _extra_groups(self) -> List[int]:
+        return [self._pad_group]
 
     @classmethod
     def fitting(cls, target: ViewTarget, ring: Any, buffers: Any, minus_one: Tensor,
@@ -295,6 +323,10 @@ class CommitStage(_FixedStage):
         self._rows_src: List[Optional[_Prefixes]] = [None] * ring.num_slots
         self._rows_words = words
         self._rows_group = self._group(group)
+        self._seal()
+
+    def _extra_groups(self) -> List[int]:
+        return [self._rows_group]
 
     @classmethod
     def fitting(cls, target: ViewTarget, ring: Any, buffers: Any,
