@@ -48,6 +48,13 @@ included), so no write into the persistent buffers (in place, ``.data``, DLPack,
 graph replay, under ``torch.inference_mode``) can reach a row a commit places. A step
 whose commit pass follows its draft loop on one table ships that table once, not
 twice (``_rows_on_device``; ``reused_table_rows`` counts the rows so placed).
+Draft depths and commit passes stage through one fixed layout per view and kind
+(``shadow_stage.py``: field offsets independent of the counts, kernel arguments built
+once per slot, placement pairs from prefixes cached by their own length), so traffic
+whose counts change every step builds no layout or plan; the same ops as a
+``CopyPlan``, and the H2D copy also carries the unplaced tails of the fields before
+the last one. The writers, and a pass beyond the fixed capacities, take the per-shape
+route (``_shadow``/``_flush``).
 The H2D copy is one contiguous byte range: copying strided pinned memory straight into
 the view would make PyTorch stage each non-contiguous H2D copy through a temporary (an
 allocation and a kernel); ``staging_slots`` (default 8) bounds how many staged calls
@@ -64,7 +71,7 @@ built on the dropped ring are purged from every view that holds them.
 from __future__ import annotations
 
 import weakref
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import numpy as np
 import torch
@@ -77,9 +84,10 @@ from .gpu_view import ViewFields, ViewTarget, kernel_args, view_entries
 from .inputs import kernel_optional
 from .layout import PackedLayout, numpy_dtype
 from .mirror_device import DeviceRoute
-from .placement import CopyPlan
+from .placement import CopyPlan, forward_pairs
 from .runtime import DeviceRuntime, StreamOrder, get_runtime
 from .cache import BoundedCache
+from .shadow_stage import CommitStage, DepthStage
 from .staging import StagingRing
 
 __all__ = ["MirrorBackend"]
@@ -87,9 +95,8 @@ __all__ = ["MirrorBackend"]
 # Staging capacity is planned for 8-byte fields, the widest a view may use.
 _WIDEST = ViewFields(**{name: torch.int64 for name in ViewFields._fields})
 _ALIGN = 8
-CopyPair = Tuple[Tensor, Tensor]  # (destination, source)
 # Plan kinds built on one forward ring (their keys carry its generation at index 1).
-_RING_PLANS = frozenset({"args", "h2d", "place"})
+_RING_PLANS = frozenset({"args", "h2d", "place", "depth", "commit"})
 
 
 class MirrorBackend:
@@ -165,7 +172,9 @@ class MirrorBackend:
         self._planned: "weakref.WeakSet[ViewTarget]" = weakref.WeakSet()  # ring plans
         self.device_route = DeviceRoute(buffers, block_size=block_size, dummy=dummy,
                                         runtime=runtime)
-        self._slices = BoundedCache(256)  # per-count views of the persistent buffers
+        # Per-count views of the persistent buffers and begin slots: keys are a name (a
+        # slot's at most) and a count <= R + 1, so this bound is never reached.
+        self._slices = BoundedCache(64 * (max_requests + 2))
         self._order = StreamOrder(self.device, runtime)  # of the persistent buffers
 
     @property
@@ -284,51 +293,13 @@ class MirrorBackend:
         plan = plans.get(key)
         if plan is None:
             staged = layout.tensors(ring.device_slots[slot])
-            plan = CopyPlan(self._placement(target.fields, staged, tokens, real_tokens,
-                                            requests, to_lengths, lengths_count,
-                                            device_rows, reused))
+            plan = CopyPlan(forward_pairs(
+                target.fields, staged, self.buffers, self._minus_one, tokens,
+                real_tokens, requests, to_lengths, lengths_count, device_rows,
+                self._reuse_table if reused else self.buffers.block_table))
             plans.put(key, plan)
         plan.run()
         ring.release(slot)
-
-    def _placement(self, view, staged, tokens: int, real_tokens: int,
-                   requests: Optional[int], to_lengths: str, lengths_count: int,
-                   device_rows: int, reused: bool) -> List[CopyPair]:
-        """The copies of ``_flush`` as ``(destination, source)`` pairs."""
-        # Block and local offset over the padded rows; request, position and pos id
-        # over the real ones only (pad rows keep theirs).
-        pairs = [(getattr(view, name)[:tokens], getattr(staged, name)[:tokens])
-                 for name in ("token_to_block_idx",
-                              "token_to_local_position_within_kv_block")]
-        pairs += [(getattr(view, name)[:real_tokens], getattr(staged, name)[:real_tokens])
-                  for name in ("token_to_request_idx", "token_to_position_in_request",
-                               "token_to_pos_ids")]
-        buffers = self.buffers
-        if requests is not None:
-            pairs += [(view.mha_query_lengths[:requests], staged.mha_query_lengths),
-                      (view.mha_kv_seq_lengths[:requests], staged.mha_kv_seq_lengths),
-                      (view.mha_cu_query_seq_lengths[:requests + 1],
-                       staged.mha_cu_query_seq_lengths),
-                      (view.mha_cu_kv_seq_lengths[:requests + 1],
-                       staged.mha_cu_kv_seq_lengths)]
-            table = view.mha_block_table
-            staged_end = device_rows + staged.mha_block_table.shape[0]
-            pad_rows = requests - staged_end
-            rows_source = self._reuse_table if reused else buffers.block_table
-            pairs += [(table[:device_rows], rows_source[:device_rows]),
-                      (table[device_rows:staged_end], staged.mha_block_table),
-                      (table[staged_end:requests],
-                       self._minus_one[:pad_rows * table.shape[1]]
-                       .view(pad_rows, table.shape[1]))]
-        if to_lengths == "pair":
-            pairs += [(buffers.query_lengths[:lengths_count],
-                       staged.mha_query_lengths[:lengths_count]),
-                      (buffers.kv_lengths[:lengths_count],
-                       staged.mha_kv_seq_lengths[:lengths_count])]
-        elif to_lengths == "query":
-            pairs.append((buffers.query_lengths[:lengths_count],
-                          staged.mha_query_lengths[:lengths_count]))
-        return pairs
 
     # ---------------------------------------------------------------- draft loop
     def begin_decode(self, count: int, start_positions: np.ndarray,
@@ -408,14 +379,43 @@ class MirrorBackend:
                                                self.host_block_table.shape[1]):
             return -1  # checked before a slot is taken: nothing written, nothing staged
         # The shadow holds O(padded) data and no table: mha_block_table comes from the
-        # persistent device table that begin_decode filled, device-to-device.
-        slot, layout, token_args, request_args = self._shadow(target, padded, padded, 0)
+        # persistent device table that begin_decode filled, device-to-device. Its
+        # layout is fixed per view (DepthStage), so no shape builds a plan.
+        stage = self._depth_stage(target)
+        if stage is None:
+            slot, layout, token_args, request_args = self._shadow(target, padded, padded,
+                                                                  0)
+        else:
+            slot = self._forward_ring.acquire()
+            token_args, request_args = stage.args(slot)
         max_kv = native.staging.decode_step_maps(
             self.host_offsets, self.host_block_table, count, padded, self.block_size,
             self.dummy, self._scratch_q, self._scratch_kv, *token_args, *request_args[:4])
-        self._flush(target, slot, layout, padded, count, padded, "pair", count,
-                    device_rows=count)
+        if stage is None:
+            self._flush(target, slot, layout, padded, count, padded, "pair", count,
+                        device_rows=count)
+        else:
+            stage.flush(slot, padded, count)
+            self._forward_ring.release(slot)
         return max_kv
+
+    def _depth_stage(self, target: ViewTarget) -> Optional[DepthStage]:
+        """The view's fixed draft-depth staging on the current forward ring (built on
+        the first depth), or None when it does not fit a slot (the depth then takes
+        the per-shape ``_shadow``/``_flush`` route)."""
+        stage = target.plans.get(("depth", self._generation))
+        if stage is None:
+            stage = self._keep_stage(target, "depth", DepthStage.fitting(
+                target, self._forward_ring, self.buffers, self._minus_one,
+                self.max_requests))
+        return stage or None
+
+    def _keep_stage(self, target: ViewTarget, kind: str, stage):
+        """Cache ``stage`` (False: "does not fit") on the view for this ring."""
+        stage = stage or False
+        target.plans.put((kind, self._generation), stage)
+        self._planned.add(target)
+        return stage
 
     # --------------------------------------------------------------- commit pass
     def stage_prefill_lengths(self, counts: np.ndarray, pad_tokens: int) -> int:
@@ -443,17 +443,39 @@ class MirrorBackend:
                     min_padded_requests: int, padded_requests: int) -> Tuple[int, int, int]:
         self.refuse_capture("setup_commit_pass")
         device_rows = self._rows_on_device(target, table, counts.shape[0], pad_tokens)
-        slot, layout, token_args, request_args = self._shadow(
-            target, padded_tokens, padded_requests, padded_requests - device_rows)
+        stage = self._commit_stage(target)
+        if stage is None or padded_tokens > stage.cap or padded_requests > stage.requests:
+            stage = None
+            slot, layout, token_args, request_args = self._shadow(
+                target, padded_tokens, padded_requests, padded_requests - device_rows)
+        else:  # a fixed layout: nothing is built per shape (CommitStage)
+            slot = self._forward_ring.acquire()
+            token_args, request_args = stage.args(slot)
         total, staged, padded_requests, max_len = native.staging.commit_pass(
             counts, *kernel_optional(starts), table, *kernel_optional(inherited),
             padded_tokens, pad_tokens, self.max_requests, min_padded_requests,
             self.block_size, self.dummy, device_rows, self._scratch_q, *token_args,
             *request_args)
-        self._flush(target, slot, layout, padded_tokens, total, padded_requests, "query",
-                    staged, device_rows, reused=True)
+        if stage is None:
+            self._flush(target, slot, layout, padded_tokens, total, padded_requests,
+                        "query", staged, device_rows, reused=True)
+        else:
+            stage.flush(slot, padded_tokens, total, padded_requests, staged, device_rows)
+            self._forward_ring.release(slot)
         self.reused_table_rows += device_rows
         return staged, padded_requests, max_len
+
+    def _commit_stage(self, target: ViewTarget) -> Optional[CommitStage]:
+        """The view's fixed commit-pass staging on the current forward ring
+        (``CommitStage.fitting``), or None. A pass beyond its capacities takes the
+        per-shape ``_shadow``/``_flush`` route (which grows the ring; the next
+        generation's stage then holds more)."""
+        stage = target.plans.get(("commit", self._generation))
+        if stage is None:
+            stage = self._keep_stage(target, "commit", CommitStage.fitting(
+                target, self._forward_ring, self.buffers, self.max_requests,
+                self._reuse_table))
+        return stage or None
 
     def _rows_on_device(self, target: ViewTarget, table: np.ndarray, num_prefill: int,
                         pad_tokens: int) -> int:

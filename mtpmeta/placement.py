@@ -20,12 +20,12 @@ with the profiler.
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["CopyPlan", "word_view"]
+__all__ = ["CopyPlan", "word_view", "forward_pairs"]
 
 CopyPair = Tuple[Tensor, Tensor]  # (destination, source)
 
@@ -93,3 +93,50 @@ class CopyPlan:
             torch._foreach_copy_(dsts, srcs, non_blocking=True)
         for dst, src in self.singles:
             dst.copy_(src, non_blocking=True)
+
+
+def forward_pairs(view: Any, staged: Any, buffers: Any, minus_one: Tensor, tokens: int,
+                  real_tokens: int, requests: Optional[int], to_lengths: str,
+                  lengths_count: int, device_rows: int,
+                  device_table: Tensor) -> List[CopyPair]:
+    """The copies that place one staged forward of the mirror path (its per-shape
+    route, ``MirrorBackend._flush``) as ``(destination, source)`` pairs.
+
+    ``view``/``staged``: the view's and the device stage's fields by name (the stage's
+    fields exactly as long as the forward writes them); ``buffers``: the persistent
+    buffers; ``minus_one``: a device ``[R * W]`` int32 block of -1. Block and local
+    offset over ``[:tokens]``; request, position and pos id over ``[:real_tokens]``
+    only (pad rows keep theirs). With ``requests``: the lengths ``[:requests]``, sums
+    ``[:requests + 1]``, table rows ``[:device_rows]`` from ``device_table`` (the
+    persistent ``block_table`` for a draft depth, the private reuse table for a commit
+    pass), the stage's rows next, -1 rows up to ``requests``. ``to_lengths``: ``"pair"`` (the
+    persistent query and KV lengths ``[:lengths_count]``), ``"query"`` or ``""``.
+    """
+    pairs = [(getattr(view, name)[:tokens], getattr(staged, name)[:tokens])
+             for name in ("token_to_block_idx", "token_to_local_position_within_kv_block")]
+    pairs += [(getattr(view, name)[:real_tokens], getattr(staged, name)[:real_tokens])
+              for name in ("token_to_request_idx", "token_to_position_in_request",
+                           "token_to_pos_ids")]
+    if requests is not None:
+        pairs += [(view.mha_query_lengths[:requests], staged.mha_query_lengths),
+                  (view.mha_kv_seq_lengths[:requests], staged.mha_kv_seq_lengths),
+                  (view.mha_cu_query_seq_lengths[:requests + 1],
+                   staged.mha_cu_query_seq_lengths),
+                  (view.mha_cu_kv_seq_lengths[:requests + 1],
+                   staged.mha_cu_kv_seq_lengths)]
+        table = view.mha_block_table
+        staged_end = device_rows + staged.mha_block_table.shape[0]
+        pad_rows = requests - staged_end
+        pairs += [(table[:device_rows], device_table[:device_rows]),
+                  (table[device_rows:staged_end], staged.mha_block_table),
+                  (table[staged_end:requests],
+                   minus_one[:pad_rows * table.shape[1]].view(pad_rows, table.shape[1]))]
+    if to_lengths == "pair":
+        pairs += [(buffers.query_lengths[:lengths_count],
+                   staged.mha_query_lengths[:lengths_count]),
+                  (buffers.kv_lengths[:lengths_count],
+                   staged.mha_kv_seq_lengths[:lengths_count])]
+    elif to_lengths == "query":
+        pairs.append((buffers.query_lengths[:lengths_count],
+                      staged.mha_query_lengths[:lengths_count]))
+    return pairs

@@ -1,0 +1,374 @@
+"""Shape-free staging of draft depths and commit passes on the mirror path.
+
+Each kind of forward has one fixed shadow layout per view and forward ring
+(``DepthStage``, ``CommitStage``): every field at a capacity, at offsets that do not
+depend on the forward's counts. So the kernels' numpy arguments and the slot's typed
+device fields are built once per slot, and nothing is built per shape:
+
+* the H2D copy is the slot's leading bytes up to the written part of the field that
+  sits last (a depth's ``mha_cu_kv_seq_lengths[:p + 1]``, a commit pass's table rows):
+  the bytes past another field's written part are shipped, never placed;
+* the placement's ``(destination, source)`` pairs are prefixes of fixed tensors, each
+  cached by its own length (per slot on the device-stage side; on the view side
+  shared by all slots), never by the combination of lengths: once a trace's lengths
+  were seen, it builds no layout, plan or slice at all, whatever its mix of counts;
+* pairs are grouped as ``CopyPlan`` groups them (the same ops: one ``_foreach_copy_``
+  per word dtype and device, a ``copy_`` per dtype conversion or lone pair, groups
+  first, empty pairs dropped), from groups fixed per view.
+
+The copies are those of ``MirrorBackend._placement``. A depth of ``n`` rows padded to
+``p``: block and local offset ``[:p]``; request, position and pos id ``[:n]``;
+query/KV lengths ``[:p]``, their sums ``[:p + 1]``; table rows ``[:n]`` from the
+persistent device table and ``[n:p]`` from a device block of -1; the persistent
+query/KV lengths ``[:n]``. A commit pass of ``T`` tokens padded to ``t``, ``r``
+request slots, ``m`` staged lengths and ``d`` device rows: tokens as a depth's over
+``t`` and ``T``, lengths over ``r``, table rows ``[:d]`` from the persistent table and
+``[d:r]`` from the shadow, the persistent query lengths ``[:m]``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .gpu_view import ViewFields, ViewTarget, kernel_args, view_entries
+from .layout import PackedLayout
+from .placement import word_view
+
+__all__ = ["DepthStage", "CommitStage"]
+
+_ALIGN = 8
+_PAD_ROWS = ("token_to_block_idx", "token_to_local_position_within_kv_block")
+_REAL_ROWS = ("token_to_request_idx", "token_to_position_in_request", "token_to_pos_ids")
+_LENGTHS = ("mha_query_lengths", "mha_kv_seq_lengths")
+_SUMS = ("mha_cu_query_seq_lengths", "mha_cu_kv_seq_lengths")
+_TABLE = "mha_block_table"
+# The nine pairs every staged forward places, in order: (view field, staged field).
+_COMMON = _PAD_ROWS + _REAL_ROWS + _LENGTHS + _SUMS
+# Memory orders of the two fixed shadows (whatever VIEW_FIELDS' order): the field a
+# forward's H2D copy ends in sits last.
+_DEPTH = (_TABLE,) + _COMMON
+_COMMIT = _LENGTHS + _SUMS + _REAL_ROWS + _PAD_ROWS + (_TABLE,)
+
+
+class _Prefixes:
+    """Prefixes ``[:k]`` (leading rows of a 2-D tensor) and row ranges of one tensor,
+    as int32 words when its pair copies words, each built once (``counter[0]`` counts
+    the builds)."""
+
+    __slots__ = ("tensor", "scale", "cache", "ranges", "counter")
+
+    def __init__(self, tensor: Tensor, words: bool, counter: List[int]) -> None:
+        viewed = word_view(tensor) if words else tensor
+        self.tensor = viewed
+        # Words per element of a 1-D tensor (an int64 field read as words: 2).
+        self.scale = viewed.shape[0] // tensor.shape[0] \
+            if tensor.dim() == 1 and tensor.shape[0] else 1
+        self.cache: Dict[int, Tensor] = {}  # k -> [:k]; k <= the tensor's length + 1
+        self.ranges: Dict[Tuple[int, int], Tensor] = {}  # (start, stop) -> rows
+        self.counter = counter
+
+    def build(self, count: int) -> Tensor:
+        value = self.tensor[:count * self.scale]
+        self.cache[count] = value
+        self.counter[0] += 1
+        return value
+
+    def rows(self, start: int, stop: int) -> Tensor:
+        value = self.ranges.get((start, stop))
+        if value is None:
+            value = self.tensor[start:stop]
+            self.ranges[(start, stop)] = value
+            self.counter[0] += 1
+        return value
+
+
+def _mode(dst: Tensor, src: Tensor) -> Tuple[bool, Any]:
+    """``(as_words, group)`` of a pair, by ``CopyPlan``'s rule: a dtype or device change
+    is a single (``group`` None); else both sides as int32 words when both can be read
+    so, grouped by the dtype and device of what is copied."""
+    if dst.dtype != src.dtype or dst.device != src.device:
+        return False, None
+    dw, sw = word_view(dst), word_view(src)
+    as_words = dw.dtype == sw.dtype and dw.dim() == sw.dim() and \
+        dw.shape[-1] * src.shape[-1] == sw.shape[-1] * dst.shape[-1]
+    return as_words, (dw.dtype if as_words else dst.dtype, dst.device)
+
+
+class _FixedStage:
+    """A fixed shadow layout (``entries`` in memory order, the H2D copy ending in
+    ``entries[-1]``) of one view on one forward ring, its per-slot kernel arguments and
+    device fields, and the prefixes its placements use. ``built`` counts what was built
+    (the layout, argument sets, device field sets, H2D pairs, prefixes): it stops
+    growing once every (tensor, length) of a trace was seen."""
+
+    def __init__(self, target: ViewTarget, ring: Any, buffers: Any, entries: Any,
+                 cap: int, extra: Dict[str, Tuple[Tensor, str]]) -> None:
+        """``extra``: pairs besides ``_COMMON``, by role: ``(destination, staged field
+        name or None)``; a role's source is then ``extra_sources[role]``."""
+        self.layout = PackedLayout.build(entries, align=_ALIGN)
+        self.cap = cap
+        last = len(entries) - 1
+        shape = self.layout.shapes[last]
+        self._end_base = self.layout.offsets[last]
+        self._end_item = self.layout.dtypes[last].itemsize * (
+            shape[1] if len(shape) > 1 else 1)
+        self.ring = ring
+        self._counter = [1]  # the layout
+        slots = ring.num_slots
+        self._args: List[Optional[Tuple[Any, Any]]] = [None] * slots
+        self._h2d: List[Dict[int, Tuple[Tensor, Tensor]]] = [{} for _ in range(slots)]
+        self._roles: List[Optional[List[Tuple[_Prefixes, _Prefixes, int]]]] = [None] * slots
+        fields = target.fields
+        staged0 = self.layout.tensors(ring.device_slots[0])
+        # Role -> (destination, source of slot 0, staged field or None).
+        self._pairs = [(getattr(fields, name), getattr(staged0, name), name)
+                       for name in _COMMON]
+        self._pairs += [(dst, getattr(staged0, src) if isinstance(src, str) else src,
+                         src if isinstance(src, str) else None)
+                        for dst, src in extra.values()]
+        modes = [_mode(dst, src) for dst, src, _ in self._pairs]
+        self._group_keys: List[Any] = []
+        self._group_ids = [self._group(group) for _, group in modes]
+        self._dsts = [_Prefixes(dst, words, self._counter)
+                      for (dst, _, _), (words, _) in zip(self._pairs, modes)]
+        self._words = [words for words, _ in modes]
+        # Sources that are not staged (persistent buffers) are shared by all slots.
+        self._fixed_srcs = [None if name is not None else
+                            _Prefixes(src, words, self._counter)
+                            for (_, src, name), words in zip(self._pairs, self._words)]
+
+    def _group(self, key: Any) -> int:
+        """The index of the copy group ``key`` (``_mode``'s), -1 for a single."""
+        if key is None:
+            return -1
+        if key not in self._group_keys:
+            self._group_keys.append(key)
+        return self._group_keys.index(key)
+
+    @property
+    def built(self) -> int:
+        return self._counter[0]
+
+    def args(self, slot: int) -> Tuple[Any, Any]:
+        """The kernels' ``(token_args, request_args)`` numpy fields of ``slot``."""
+        args = self._args[slot]
+        if args is None:
+            args = kernel_args(self.layout.arrays(self.ring.host_np[slot]))
+            self._args[slot] = args
+            self._counter[0] += 1
+        return args
+
+    def _ship(self, slot: int, written: int) -> List[Tuple[_Prefixes, _Prefixes, int]]:
+        """Issue the H2D copy of ``slot`` up to ``written`` elements (rows) of the last
+        field; return the slot's roles ``(destination, source, group)``."""
+        end = self._end_base + written * self._end_item
+        h2d = self._h2d[slot].get(end)
+        if h2d is None:
+            h2d = (self.ring.device_slots[slot][:end], self.ring.slots[slot][:end])
+            self._h2d[slot][end] = h2d
+            self._counter[0] += 1
+        h2d[0].copy_(h2d[1], non_blocking=True)
+        roles = self._roles[slot]
+        if roles is None:
+            staged = self.layout.tensors(self.ring.device_slots[slot])
+            roles = [(dst, fixed if fixed is not None else
+                      _Prefixes(getattr(staged, name), words, self._counter), group)
+                     for dst, fixed, (_, _, name), words, group in zip(
+                         self._dsts, self._fixed_srcs, self._pairs, self._words,
+                         self._group_ids)]
+            self._roles[slot] = roles
+            self._counter[0] += 1
+        return roles
+
+    def _place(self, roles: List[Tuple[_Prefixes, _Prefixes, int]], counts: Tuple[int, ...],
+               extra: List[Tuple[Tensor, Tensor, int]]) -> None:
+        """Issue the copies: role ``i`` over ``[:counts[i]]`` (0: dropped), then the
+        ``extra`` ``(destination, source, group)`` pairs, grouped as ``CopyPlan``."""
+        if self._single_group:  # the usual case: every pair in group 0, no single
+            dsts: List[Tensor] = []
+            srcs: List[Tensor] = []
+            for (dst_p, src_p, _), count in zip(roles, counts):
+                if count:
+                    dst = dst_p.cache.get(count)
+                    src = src_p.cache.get(count)
+                    dsts.append(dst if dst is not None else dst_p.build(count))
+                    srcs.append(src if src is not None else src_p.build(count))
+            for dst, src, _ in extra:
+                dsts.append(dst)
+                srcs.append(src)
+            if len(dsts) > 1:
+                torch._foreach_copy_(dsts, srcs, non_blocking=True)
+            elif dsts:
+                dsts[0].copy_(srcs[0], non_blocking=True)
+            return
+        groups: List[Tuple[List[Tensor], List[Tensor]]] = [
+            ([], []) for _ in self._group_keys]
+        singles = []
+        for (dst_p, src_p, group), count in zip(roles, counts):
+            if not count:
+                continue
+            dst = dst_p.cache.get(count)
+            if dst is None:
+                dst = dst_p.build(count)
+            src = src_p.cache.get(count)
+            if src is None:
+                src = src_p.build(count)
+            if group < 0:
+                singles.append((dst, src))
+            else:
+                groups[group][0].append(dst)
+                groups[group][1].append(src)
+        for dst, src, group in extra:
+            if group < 0:
+                singles.append((dst, src))
+            else:
+                groups[group][0].append(dst)
+                groups[group][1].append(src)
+        for group_dsts, group_srcs in groups:
+            if len(group_dsts) > 1:
+                torch._foreach_copy_(group_dsts, group_srcs, non_blocking=True)
+            elif group_dsts:
+                singles.append((group_dsts[0], group_srcs[0]))
+        for dst, src in singles:
+            dst.copy_(src, non_blocking=True)
+
+    def _seal(self) -> None:
+        """Called by a subclass once its extra pairs' groups are registered."""
+        self._single_group = len(self._group_keys) == 1 and min(self._group_ids) == 0 \
+            and all(group == 0 for group in self._extra_groups())
+
+    def _extra_groups(self) -> List[int]:
+        return []
+
+
+class DepthStage(_FixedStage):
+    """A draft depth's fixed shadow: every field at ``cap`` rows, no table rows."""
+
+    def __init__(self, target: ViewTarget, ring: Any, buffers: Any, minus_one: Tensor,
+                 cap: int) -> None:
+        dtypes = ViewFields(*(tensor.dtype for tensor in target.fields))
+        by_name = {name: (name, dtype, (0, target.width)) if name == _TABLE
+                   else (name, dtype, shape)
+                   for name, dtype, shape in view_entries(cap, cap, target.width, dtypes)}
+        table = target.fields.mha_block_table
+        super().__init__(target, ring, buffers, tuple(by_name[name] for name in _DEPTH),
+                         cap, {"table": (table, buffers.block_table),
+                               "query_lengths": (buffers.query_lengths, _LENGTHS[0]),
+                               "kv_lengths": (buffers.kv_lengths, _LENGTHS[1])})
+        width = target.width
+        pad_words, pad_group = _mode(table, minus_one[:width].view(1, width))
+        self._pad_view = _Prefixes(table, pad_words, self._counter)
+        self._pad_group = self._group(pad_group)
+        self._pad_words = pad_words
+        self._minus_one = minus_one
+        self._pad_blocks: Dict[int, Tensor] = {}
+        self._width = width
+        self._seal()
+
+    def _extra_groups(self) -> List[int]:
+        return [self._pad_group]
+
+    @classmethod
+    def fitting(cls, target: ViewTarget, ring: Any, buffers: Any, minus_one: Tensor,
+                max_requests: int) -> Optional["DepthStage"]:
+        """The stage at ``cap = min(R, view max_tokens, view max_requests)`` (a depth
+        pads to at most that), or None when it does not fit one of ``ring``'s slots."""
+        cap = min(max_requests, target.max_tokens, target.max_requests)
+        stage = cls(target, ring, buffers, minus_one, cap)
+        return stage if stage.layout.nbytes <= ring.slot_bytes else None
+
+    def _pad_block(self, rows: int) -> Tensor:
+        value = self._pad_blocks.get(rows)
+        if value is None:
+            value = self._minus_one[:rows * self._width].view(rows, self._width)
+            if self._pad_words:
+                value = word_view(value)
+            self._pad_blocks[rows] = value
+            self._counter[0] += 1
+        return value
+
+    def flush(self, slot: int, padded: int, count: int) -> None:
+        """Copy ``slot``'s shadow of a depth of ``count`` rows padded to ``padded`` to
+        its device stage (one H2D copy) and place it. The caller records the slot's
+        fence after."""
+        roles = self._ship(slot, padded + 1)
+        extra = [] if padded == count else [
+            (self._pad_view.rows(count, padded), self._pad_block(padded - count),
+             self._pad_group)]
+        self._place(roles, (padded, padded, count, count, count, padded, padded,
+                            padded + 1, padded + 1, count, count, count), extra)
+
+
+class CommitStage(_FixedStage):
+    """A commit pass's fixed shadow: the request fields at ``requests`` rows (``+ 1``
+    for the sums), then the token fields at ``cap`` tokens, then ``requests`` table
+    rows, last, so the H2D copy ends at the table rows the pass writes."""
+
+    def __init__(self, target: ViewTarget, ring: Any, buffers: Any, cap: int,
+                 requests: int, device_table: Tensor) -> None:
+        dtypes = ViewFields(*(tensor.dtype for tensor in target.fields))
+        by_name = {entry[0]: entry
+                   for entry in view_entries(requests, cap, target.width, dtypes)}
+        table = target.fields.mha_block_table
+        super().__init__(target, ring, buffers, tuple(by_name[name] for name in _COMMIT),
+                         cap, {"table": (table, device_table),
+                               "query_lengths": (buffers.query_lengths, _LENGTHS[0])})
+        self.requests = requests
+        words, group = _mode(table,
+                             self.layout.tensors(ring.device_slots[0]).mha_block_table)
+        self._rows_view = _Prefixes(table, words, self._counter)
+        self._rows_src: List[Optional[_Prefixes]] = [None] * ring.num_slots
+        self._rows_words = words
+        self._rows_group = self._group(group)
+        self._seal()
+
+    def _extra_groups(self) -> List[int]:
+        return [self._rows_group]
+
+    @classmethod
+    def fitting(cls, target: ViewTarget, ring: Any, buffers: Any, max_requests: int,
+                device_table: Tensor) -> Optional["CommitStage"]:
+        """The stage at ``min(R, view max_requests)`` request rows and the view's
+        max_tokens, or as many tokens (at least ``R``) as one of ``ring``'s slots then
+        holds; None when not even ``R`` tokens fit. ``device_table`` ``[R, W]``: the
+        device table a pass's leading rows are placed from (the mirror path's private
+        reuse table, never a public buffer)."""
+        requests = min(max_requests, target.max_requests)
+        stage = cls(target, ring, buffers, target.max_tokens, requests, device_table)
+        if stage.layout.nbytes <= ring.slot_bytes:
+            return stage
+        bare = cls(target, ring, buffers, 0, requests, device_table)
+        per_token = sum(dtype.itemsize for name, dtype in zip(bare.layout.names,
+                                                              bare.layout.dtypes)
+                        if name in _PAD_ROWS + _REAL_ROWS)
+        cap = (ring.slot_bytes - bare.layout.nbytes - _ALIGN * 5) // per_token
+        if cap < max_requests:
+            return None
+        stage = cls(target, ring, buffers, cap, requests, device_table)
+        return stage if stage.layout.nbytes <= ring.slot_bytes else None
+
+    def flush(self, slot: int, tokens: int, real_tokens: int, requests: int,
+              staged_count: int, device_rows: int) -> None:
+        """Ship and place a commit pass: table rows ``[:device_rows]`` from the
+        stage's ``device_table``, ``[device_rows:requests]`` from the shadow."""
+        shadow_rows = requests - device_rows
+        roles = self._ship(slot, shadow_rows)
+        extra = []
+        if shadow_rows:
+            source = self._rows_src[slot]
+            if source is None:
+                staged = self.layout.tensors(self.ring.device_slots[slot])
+                source = _Prefixes(staged.mha_block_table, self._rows_words,
+                                   self._counter)
+                self._rows_src[slot] = source
+            src = source.cache.get(shadow_rows)
+            if src is None:
+                src = source.build(shadow_rows)
+            extra.append((self._rows_view.rows(device_rows, requests), src,
+                          self._rows_group))
+        self._place(roles, (tokens, tokens, real_tokens, real_tokens, real_tokens,
+                            requests, requests, requests + 1, requests + 1, device_rows,
+                            staged_count), extra)

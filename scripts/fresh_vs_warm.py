@@ -1,0 +1,93 @@
+"""Per-step host CPU µs of the mirror path over a trace of random shapes, fresh vs warm
+(issue 24 item 2). Usage: ``python scripts/fresh_vs_warm.py [repeats] [warm-up steps]``.
+
+Every step draws its active count n (154-208 at the standard geometry, 615-810 at the
+production one), hence its padded count and commit size, and a prefill chunk of 1-256
+tokens. Fresh: new objects run the warm-up steps of another trace (default 2), then
+the timed trace, every shape of it new to them. Warm: the same objects run the same
+trace again. The mirror path CPU-forced and on torch's meta device (the host's share
+on a GPU); process CPU time, so a shared machine's waits are left out. Compare figures
+only within one run.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from mtpmeta import ContextGPUView, MTPMetadata
+from mtpmeta.bench.production import PRODUCTION
+from mtpmeta.bench.workload import StepConfig, make_steps, run_step
+from mtpmeta.layout import round_up
+
+GEOMETRIES = {"standard": (StepConfig(), (154, 208), 40),
+              "production": (PRODUCTION, (615, 810), 16)}
+
+
+def trace(config, low, high, steps, seed):
+    """``steps`` (StepConfig, StepInputs) pairs of random n in [low, high]; one drawn
+    table for all (a production table takes long to draw)."""
+    rng = np.random.default_rng(seed)
+    base = make_steps(config, 1, seed=seed)[0]
+    R, out = config.max_requests, []
+    for _ in range(steps):
+        n = int(rng.integers(low, high + 1))
+        step_config = replace(config, active=n, prefill_tokens=int(rng.integers(1, 257)))
+        counts = np.zeros(R, np.int32)
+        counts[:n + 1] = rng.integers(1, 5, n + 1)
+        counts[n] = step_config.prefill_tokens
+        starts = np.zeros(R, np.int32)
+        starts[:n] = rng.integers(0, 3000, n)
+        commit = np.zeros(R, np.int32)
+        commit[:n] = np.maximum(starts[:n] - counts[:n], 0)
+        commit[n] = config.inherited_blocks * config.block_size - config.block_size // 2
+        inherited = np.zeros(R, np.int32)
+        inherited[n] = config.inherited_blocks
+        out.append((step_config, replace(
+            base, start_positions=torch.from_numpy(starts)[:n],
+            append_counts=torch.from_numpy(counts)[:n + 1],
+            commit_starts=torch.from_numpy(commit)[:n + 1],
+            inherited=torch.from_numpy(inherited)[:n + 1],
+            padded_tokens=round_up(int(counts[:n + 1].sum()), config.tp),
+            padded_requests=n + 1)))
+    return out
+
+
+def build(config, device):
+    tokens = config.max_tokens + 2048  # room for the largest drawn step
+    meta = MTPMetadata(**config.metadata_kwargs())
+    meta.allocate(device, mirror=True, max_tokens=tokens)
+    return meta, ContextGPUView(config.max_requests, tokens, config.block_columns, device)
+
+
+def timed(meta, view, steps):
+    start = time.process_time_ns()
+    for step_config, inputs in steps:
+        run_step(meta, view, inputs, step_config)
+    return (time.process_time_ns() - start) / len(steps) / 1e3
+
+
+def main(repeats: int = 5, warm_steps: int = 2) -> None:
+    torch.set_num_threads(1)
+    for name, (config, (low, high), steps) in GEOMETRIES.items():
+        timed_trace = trace(config, low, high, steps, seed=1)
+        warm_up = trace(config, low, high, warm_steps, seed=99)
+        for device in ("cpu", "meta"):
+            fresh, warm = [], []
+            for _ in range(repeats):
+                meta, view = build(config, device)
+                timed(meta, view, warm_up)
+                fresh.append(timed(meta, view, timed_trace))
+                warm.append(timed(meta, view, timed_trace))
+            f, w = statistics.median(fresh), statistics.median(warm)
+            print(f"{name:<10} mirror {device:<4} fresh {f:8.0f} µs  warm {w:8.0f} µs  "
+                  f"fresh/warm {f / w:.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main(*(int(arg) for arg in sys.argv[1:3]))

@@ -1,0 +1,120 @@
+"""The mirror path's draft depths and commit passes build nothing per shape (issue 24,
+item 2): over steps whose counts change every time, once every (tensor, length) of
+the trace was seen in every staging slot, no layout, CopyPlan, cache entry or slice
+is built any more, however many steps follow; and the views stay bit-exact with the
+reference on the way (views that start from a sentinel, so a pad row that is written
+shows)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mtpmeta import MTPMetadata
+from mtpmeta.cache import BoundedCache
+from mtpmeta.layout import PackedLayout
+from mtpmeta.placement import CopyPlan
+from mtpmeta.shadow_stage import _FixedStage
+
+from .helpers import (assert_buffers_equal, assert_views_equal, config, make_reference,
+                      make_view)
+
+R, W, BS, TOKENS = 8, 6, 4, 40
+
+
+class Builds:
+    """Counts layouts, CopyPlans, new keys of the mirror path's ``caches`` (the view's
+    plans, the backend's slices) and fixed-stage builds."""
+
+    def __init__(self, monkeypatch, caches) -> None:
+        self.count = 0
+        builds = self
+        layout_build = PackedLayout.build.__func__
+        plan_init = CopyPlan.__init__
+        put = BoundedCache.put
+
+        def counted_build(cls, *args, **kwargs):
+            builds.count += 1
+            return layout_build(cls, *args, **kwargs)
+
+        def counted_init(self, *args, **kwargs):
+            builds.count += 1
+            plan_init(self, *args, **kwargs)
+
+        def counted_put(self, key, value):
+            if key not in self and any(self is cache for cache in caches):
+                builds.count += 1
+            put(self, key, value)
+
+        monkeypatch.setattr(PackedLayout, "build", classmethod(counted_build))
+        monkeypatch.setattr(CopyPlan, "__init__", counted_init)
+        monkeypatch.setattr(BoundedCache, "put", counted_put)
+
+    def stages(self, target) -> int:
+        return sum(stage.built for stage in target.plans.values()
+                   if isinstance(stage, _FixedStage))
+
+
+def _step(pairs, rng, table):
+    """A draft loop of 2 depths and a commit pass, all sizes drawn from small sets (so
+    a warm-up sees every one in every slot): n in 3..5 padded by 0 or 1; commit counts
+    1 but the prefill row's 1..3; tokens padded by 0 or 1, requests to P or P + 1;
+    the commit first or last (so it takes 0 or n rows from the device table)."""
+    n = int(rng.integers(3, 6))
+    padded = n + int(rng.integers(0, 2))
+    starts = rng.integers(0, W * BS - 4, size=n).astype(np.int32)
+    counts = np.ones(n + 1, dtype=np.int32)
+    counts[n] = rng.integers(1, 4)
+    commit_starts = np.maximum(starts - counts[:n], 0).astype(np.int32)
+    commit_starts = np.append(commit_starts, np.int32(2))
+    total = int(counts.sum())
+    padded_tokens = total + int(rng.integers(0, 2))
+    padded_requests = n + 1 + int(rng.integers(0, 2))
+    commit_first = bool(rng.integers(0, 2))
+    for o, target in pairs:
+        def commit():
+            o.setup_commit_pass(target, counts, table, start_positions=commit_starts,
+                                padded_token_count=padded_tokens,
+                                padded_request_count=padded_requests)
+            o.end_forward()
+
+        if commit_first:
+            commit()
+        o.begin_decode(n, padded, starts, table, False)
+        for _ in range(2):
+            o.setup_decode_step(target)
+            o.advance_decode_step()
+        o.end_forward()
+        if not commit_first:
+            commit()
+
+
+@pytest.mark.parametrize("kind, table_dtype", [("context", torch.int32),
+                                               ("reference", torch.int64)])
+def test_builds_stop_after_warm_up_and_views_match(monkeypatch, kind, table_dtype):
+    """Warm-up of 500 random steps (every slot, every length), then 100 and 300 more:
+    both add no build at all; the reference runs the same steps and its views and
+    buffers equal ours at the end of each phase."""
+    kwargs = dict(max_requests=R, max_kv_block_count=W, block_size_tokens=BS,
+                  block_table_dtype=table_dtype)
+    meta = MTPMetadata(**config(**kwargs))
+    meta.allocate("cpu", mirror=True, max_tokens=TOKENS)
+    ref = make_reference(**kwargs)
+    view, ref_view = make_view(kind, R, TOKENS, W), make_view("reference", R, TOKENS, W)
+    target = meta._memo.target(view)
+    builds = Builds(monkeypatch, (target.plans, meta._backend._slices))
+    rng = np.random.default_rng(0)
+    tables = [rng.permutation(R * W).reshape(R, W).astype(np.int32) for _ in range(3)]
+    counts = []
+    pairs = ((meta, view), (ref, ref_view))
+    for steps in (500, 100, 300):
+        before = builds.count + builds.stages(target)
+        for i in range(steps):
+            _step(pairs, rng, tables[i % 3])
+        counts.append(builds.count + builds.stages(target) - before)
+        assert_views_equal(view, ref_view)
+        assert_buffers_equal(meta, ref)
+    assert counts[0] > 0  # the warm-up did build (the counter sees builds)
+    assert meta._backend.fence_stalls == 0
+    assert counts[1] == counts[2] == 0, counts
