@@ -397,13 +397,17 @@ def _check_committed_slots(meta: Any, record: ForwardRecord, f: Dict[str, np.nda
                            T: int) -> None:
     """A commit pass's slots are kept at its first check; a depth of the draft loop
     begun right after it (``meta._loop_after`` is that pass's record) must not write
-    one of them: depth ``d`` writes ``start + d``, past what the pass committed, so a
-    hit means the draft overwrites committed KV (e.g. ``begin_decode`` given the
-    per-row start positions instead of the active requests' ``start + count``)."""
+    one that the same request committed (draft row ``i`` and commit-pass request ``i``
+    are one request: both are annotation row ``draft_annotation_offset + i``): depth
+    ``d`` writes ``start + d``, past what the pass committed, so a hit means the draft
+    overwrites committed KV (e.g. ``begin_decode`` given the per-row start positions
+    instead of the active requests' ``start + count``). Slots of other requests are
+    not compared: whether two requests may share a block is the scheduler's business."""
     if record.kind == "commit":
         seen = _COMMITS_SEEN.get(meta)
         if seen is None or seen[0] is not record or seen[1] != _record_key(record):
-            _COMMITS_SEEN[meta] = (record, _record_key(record), _slots(meta, f, T))
+            _COMMITS_SEEN[meta] = (record, _record_key(record), _slots(meta, f, T),
+                                   f["token_to_request_idx"][:T].astype(np.int64))
         return
     if record.kind != "decode" or not T or \
             getattr(meta, "_decode_record", None) is not record:
@@ -414,9 +418,12 @@ def _check_committed_slots(meta: Any, record: ForwardRecord, f: Dict[str, np.nda
             seen[1] != _record_key(commit):
         return  # no commit pass right before this loop, or none that was checked
     draft = _slots(meta, f, T)
-    hits = np.flatnonzero((draft >= 0) & np.isin(draft, seen[2]))
-    if hits.size:
-        t = int(hits[0])
+    committed = {(int(r), int(slot)) for r, slot in zip(seen[3], seen[2]) if slot >= 0}
+    requests = f["token_to_request_idx"][:T]
+    hits = [t for t in range(T)
+            if draft[t] >= 0 and (int(requests[t]), int(draft[t])) in committed]
+    if hits:
+        t = hits[0]
         row, position = (int(f[name][t]) for name in ("token_to_request_idx",
                                                       "token_to_position_in_request"))
         block, local = divmod(int(draft[t]), meta.block_size_tokens)
@@ -424,10 +431,15 @@ def _check_committed_slots(meta: Any, record: ForwardRecord, f: Dict[str, np.nda
                               f"position {position}) of {_describe(record)} writes block "
                               f"{block} local {local}, a slot the commit pass before this "
                               f"draft loop wrote (its token "
-                              f"{int(np.flatnonzero(seen[2] == draft[t])[0])}): depth 0 "
+                              f"{_first(seen, draft[t], requests[t])}): depth 0 "
                               f"writes start_positions[i], which must lie past what the "
                               f"pass committed (start + count of active request i), not a "
                               f"per-row array that paused rows shift")
+
+
+def _first(seen: Any, slot: int, request: int) -> int:
+    """The commit token of ``request`` that wrote ``slot`` (``seen`` as kept above)."""
+    return int(np.flatnonzero((seen[2] == slot) & (seen[3] == request))[0])
 
 
 def _check_request_slots(record: ForwardRecord, view: Any) -> None:
