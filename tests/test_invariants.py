@@ -348,6 +348,29 @@ def test_a_draft_loop_never_overwrites_what_the_commit_pass_before_it_wrote(path
     meta.check_invariants()
 
 
+def test_committed_kv_compares_a_draft_row_with_its_own_request_only(path):
+    """Requests that share a block (the scheduler's business, valid input here): the
+    commit pass's request 1 commits position 0 of the shared block 10 and draft row 0,
+    another request, drafts at position 0 of it. Only the same request's committed
+    slots are compared (the state machine found the former false report)."""
+    meta, view = _checked_meta(path)
+    shared = np.full((2, W), 10, dtype=np.int32)
+    meta.setup_commit_pass(view, [0, 1], shared, start_positions=[0, 0])
+    meta.check_invariants()
+    meta.end_forward()
+    meta.begin_decode(1, 1, np.array([0]), shared[:1], False)
+    meta.setup_decode_step(view)
+    meta.check_invariants()  # row 0 committed nothing: no report
+    meta.end_forward()
+    meta.setup_commit_pass(view, [1, 0], shared, start_positions=[0, 0])
+    meta.check_invariants()
+    meta.end_forward()
+    meta.begin_decode(1, 1, np.array([0]), shared[:1], False)
+    meta.setup_decode_step(view)
+    with pytest.raises(InvariantError, match=r"^committed KV: draft token 0 "):
+        meta.check_invariants()  # row 0's own committed slot: reported
+
+
 def test_debug_checks_report_the_overwrite_at_the_draft_depth(path):
     """With the checks installed (what MTPMETA_DEBUG=1 does) the setup call of the
     depth that overwrites committed KV raises; the calls before it pass."""
