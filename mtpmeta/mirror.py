@@ -32,14 +32,15 @@ that allocated them on another stream may free them at once.
 Inputs that are already device tensors take ``DeviceRoute`` (``mirror_device.py``).
 
 Table reuse: a commit pass takes its leading table rows ``[:min(P, n)]``
-device-to-device (as a draft depth takes its table) when they equal the rows that draft loop staged (compared on the host against
-``host_block_table``), but from ``_reuse_table``, a private device copy that no public
-name aliases: begin_decode's H2D copy lands there and one device-to-device copy fills
-``block_table[:n]`` from it (3 data ops per begin; 15 per standard step, advances
-included), so no write into the persistent buffers (in place, ``.data``, DLPack, a
-graph replay, under ``torch.inference_mode``) can reach a row a commit places. A step
-whose commit pass follows its draft loop on one table ships that table once, not
-twice (``_rows_on_device``; ``reused_table_rows`` counts the rows so placed).
+device-to-device, as a draft depth takes its table, when they equal the rows that draft
+loop staged (compared on the host against ``host_block_table``), but from
+``_reuse_table``, a private device copy that no public name aliases: begin_decode's H2D
+copy lands there and one device-to-device copy fills ``block_table[:n]`` from it (3 data
+ops per begin; 15 per standard step, advances included), so no write into the persistent
+buffers (in place, ``.data``, DLPack, a graph replay, under ``torch.inference_mode``)
+can reach a row a commit places. A step whose commit pass follows its draft loop on one
+table ships that table once, not twice (``_rows_on_device``; ``reused_table_rows``
+counts the rows so placed).
 
 The forward staging (the ring, the shadows and fixed stages, their cost and growth)
 is ``ForwardStaging`` in ``mirror_staging.py``, a mixin of ``MirrorBackend``.
