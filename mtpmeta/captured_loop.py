@@ -32,7 +32,8 @@ from typing import Any, Tuple
 
 import numpy as np
 
-from .checks import check_rows_fit, raise_position_error
+from .check_bounds import check_rows_fit
+from .checks import raise_position_error
 from .errors import StaleOffsetsError
 from .gpu_view import ViewTarget
 from .types import ForwardRecord, ForwardShape

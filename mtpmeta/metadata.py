@@ -13,12 +13,12 @@ import torch
 from torch import Tensor
 
 from . import native
+from .check_bounds import refuse_whole_annotations
 from .checks import (check_allocate, check_begin_decode, check_carry,
                      check_commit_inputs, check_config, check_decode_counts,
                      check_decode_view, check_draft_blocks, check_mha_inputs,
                      check_prefill_lengths, check_row_pair, check_take, check_token_inputs,
-                     raise_position_error, raise_refused_row_pair,
-                     refuse_whole_annotations)
+                     raise_position_error, raise_refused_row_pair)
 from .errors import CarryNotAllocatedError, ForwardModeError, MTPDisabledError
 from .inputs import as_row_indices, check_flag, raise_row_out_of_range
 from .captured_loop import CapturedLoop

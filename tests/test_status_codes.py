@@ -1,7 +1,7 @@
 """The kernels' status codes: plain ints in ``native/`` (numba kernels return ints),
-``IntEnum``s in ``mtpmeta.checks``, the one module that decodes them.
+``IntEnum``s in ``mtpmeta.check_bounds``, the one module that decodes them.
 
-Failure story: a code is renumbered or added in ``native/`` while ``checks`` still
+Failure story: a code is renumbered or added in ``native/`` while ``check_bounds`` still
 decodes the old numbers, so a refused input raises the wrong message, or none and the
 call goes on to write.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from mtpmeta import native
-from mtpmeta.checks import CarryStatus, TokenStatus
+from mtpmeta.check_bounds import CarryStatus, TokenStatus
 from tests import naive
 
 
