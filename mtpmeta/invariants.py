@@ -37,7 +37,8 @@ The invariants, in the order they are checked:
   draft row ``i`` belongs to annotation row ``meta.draft_annotation_offset + i`` (the
   active slice; the offset is the paused-row count when paused rows come first, 0 by
   default), and its token must not land in one of that row's inherited blocks.
-- ``committed KV`` (kinds commit/decode): a depth of the draft loop whose
+- ``committed KV`` (kinds commit/decode; while ``draft_annotation_offset`` is
+  non-zero): a depth of the draft loop whose
   ``begin_decode`` came right after a commit pass (no view-writing call between) does
   not write a KV slot (block, local offset; the dummy block aside) that the same
   request wrote in that pass (draft row ``i`` is commit-pass request ``i``): the loop

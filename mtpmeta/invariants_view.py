@@ -252,16 +252,19 @@ def _check_committed_slots(meta: Any, record: ForwardRecord, f: Dict[str, np.nda
     ``d`` writes ``start + d``, past what the pass committed, so a hit means the draft
     overwrites committed KV (e.g. ``begin_decode`` given the per-row start positions
     instead of the active requests' ``start + count``). Slots of other requests are
-    not compared: whether two requests may share a block is the scheduler's business."""
+    not compared: whether two requests may share a block is the scheduler's business.
+    Only while ``draft_annotation_offset`` is non-zero (paused rows first): that is
+    when a per-row array differs from the active requests' starts, and a start at or
+    before a committed position is otherwise valid input (the spec tests use them)."""
     if record.kind == "commit":
         seen = _COMMITS_SEEN.get(meta)
         if seen is None or seen[0] is not record or seen[1] != _record_key(record):
             _COMMITS_SEEN[meta] = (record, _record_key(record), _slots(meta, f, T),
                                    f["token_to_request_idx"][:T].astype(np.int64))
         return
-    if record.kind != "decode" or not T or \
+    if record.kind != "decode" or not T or not meta.draft_annotation_offset or \
             getattr(meta, "_decode_record", None) is not record:
-        return
+        return  # with no paused rows first, the per-row starts are the active ones
     commit = getattr(meta, "_loop_after", None)
     seen = _COMMITS_SEEN.get(meta)
     if commit is None or seen is None or seen[0] is not commit or \

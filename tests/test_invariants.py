@@ -339,6 +339,7 @@ def test_a_draft_loop_never_overwrites_what_the_commit_pass_before_it_wrote(path
         _commit_then_draft(meta, view, per_row)
 
     meta, view = _checked_meta(path)  # the object above still holds the bad depth
+    meta.draft_annotation_offset = 1
     meta.setup_commit_pass(view, [6, 4], TABLE[1:3], start_positions=[0, 3])
     meta.check_invariants()
     meta.end_forward()
@@ -354,6 +355,7 @@ def test_committed_kv_compares_a_draft_row_with_its_own_request_only(path):
     another request, drafts at position 0 of it. Only the same request's committed
     slots are compared (the state machine found the former false report)."""
     meta, view = _checked_meta(path)
+    meta.draft_annotation_offset = 1  # the check runs with paused rows first
     shared = np.full((2, W), 10, dtype=np.int32)
     meta.setup_commit_pass(view, [0, 1], shared, start_positions=[0, 0])
     meta.check_invariants()
@@ -366,8 +368,8 @@ def test_committed_kv_compares_a_draft_row_with_its_own_request_only(path):
     meta.check_invariants()
     meta.end_forward()
     meta.begin_decode(1, 1, np.array([0]), shared[:1], False)
-    meta.setup_decode_step(view)
     with pytest.raises(InvariantError, match=r"^committed KV: draft token 0 "):
+        meta.setup_decode_step(view)  # (MTPMETA_DEBUG=1 raises here)
         meta.check_invariants()  # row 0's own committed slot: reported
 
 
@@ -379,6 +381,7 @@ def test_debug_checks_report_the_overwrite_at_the_draft_depth(path):
     meta = debug_cls(**config())
     meta.allocate("cpu", mirror=(path == "mirror"))
     view, _ = make_views(meta)
+    meta.draft_annotation_offset = 1  # row 0 paused
     meta.setup_commit_pass(view, [6, 4], TABLE[1:3], start_positions=[0, 3])
     meta.end_forward()
     meta.begin_decode(2, 2, np.array([2, 6, 7]), TABLE[1:3], False)
