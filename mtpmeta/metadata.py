@@ -174,8 +174,8 @@ class MTPMetadata(MetadataState, CapturedLoop):
                 at most ``max_requests`` tokens). Unused on the direct path.
             staging_slots: pinned slots per staging ring on the mirror path: how many
                 staged forwards the host may run ahead of the device before a fence
-                wait stalls it (see docs/architecture.md "Mirror path costs"). Unused on the direct
-                path.
+                wait stalls it (see docs/architecture.md "Mirror path costs"). Unused
+                on the direct path.
 
         The device runtime (streams, events, pinned memory; ``mtpmeta.runtime``) in
         effect now is the one these buffers use for their lifetime.
