@@ -480,20 +480,21 @@ class MirrorBackend:
     def _rows_on_device(self, target: ViewTarget, table: np.ndarray, num_prefill: int,
                         pad_tokens: int) -> int:
         """How many leading rows of a commit pass's ``table`` [>= P, W] to place from
-        the private device table instead of the shadow: ``k = min(P, n)`` (n the
-        rows the last host-route ``begin_decode`` staged) when every one of them equals
-        the host copy of what the device holds (``rows_match``: compared, never
-        assumed), else 0. The row that absorbs a full batch's pad is cut back by the
-        kernel and never taken. The rows are placed from the private ``_reuse_table``,
-        which holds ``host_block_table[:n]`` whatever was written into the public
-        buffers since (no version counter needed).
+        the private device table instead of the shadow: the longest prefix of the
+        first ``min(P, n)`` rows (n the rows the last host-route ``begin_decode``
+        staged) that equals the host copy of what the device holds (``matching_rows``:
+        compared, never assumed). The kernel copies the rows after it, so each row is
+        compared or copied: one pass over the table. The row that absorbs a full
+        batch's pad is cut back by the kernel and never taken. The rows are placed
+        from the private ``_reuse_table``, which holds ``host_block_table[:n]``
+        whatever was written into the public buffers since (no version counter needed).
         """
         rows = min(num_prefill, self._device_table_rows)
         if pad_tokens > 0 and num_prefill == self.max_requests:
             rows = min(rows, num_prefill - 1)
         if rows <= 0 or target.width != self.host_block_table.shape[1]:
             return 0
-        return rows if native.staging.rows_match(table, self.host_block_table, rows) else 0
+        return native.staging.matching_rows(table, self.host_block_table, rows)
 
     # -------------------------------------------------------------------- writers
     def write_token_maps(self, target: ViewTarget, rows: np.ndarray,

@@ -11,7 +11,7 @@ What the kernels check, and what they trust:
   ``checks.first_bad_token_block`` / ``first_bad_commit_block`` (a ``checks`` code
   beside the culprit) and ``first_bad_draft_block``,
   ``rows.first_row_outside`` / ``first_pair_outside``,
-  ``staging.offsets_in_table`` and ``staging.rows_match`` (bools),
+  ``staging.offsets_in_table`` (a bool), ``staging.matching_rows`` (a row count),
   ``staging.check_token_inputs`` and
   ``staging.check_commit_inputs`` (a ``staging`` code such as ``NEGATIVE_POSITION``
   beside the culprit's index). ``checks.min_max`` only reduces. The wrappers in

@@ -378,18 +378,20 @@ def write_mha_block_rows(block_table, num_table_rows, count, padded, dummy, firs
 
 
 @njit(cache=True)
-def rows_match(block_table, truth, count):
-    """True when ``block_table[i, c] == truth[i, c]`` (as integers) for every row
-    ``i < count`` and column ``c < W = truth.shape[1]``: the mirror path's test that the
-    persistent device table, whose host copy is ``truth``, already holds those rows.
-    Scans a row branch-free, so a mismatch stops the scan at the end of its row.
+def matching_rows(block_table, truth, count):
+    """The longest ``k <= count`` such that ``block_table[i, c] == truth[i, c]`` (as
+    integers) for every row ``i < k`` and column ``c < W = truth.shape[1]``: how many
+    leading rows of a commit pass's table the persistent device table, whose host copy
+    is ``truth``, already holds. The scan stops at the end of the first row that
+    differs (a row is scanned branch-free), so with the commit kernel copying rows
+    ``[k:]`` each row is compared or copied, and only row ``k`` both.
     block_table: int [>= count, >= W]; truth: int [>= count, W].
 
-    >>> truth = np.array([[3, 4], [5, 6]], np.int32)
-    >>> rows_match(np.array([[3, 4], [5, 7]]), truth, 1), rows_match(truth, truth, 2)
-    (True, True)
-    >>> rows_match(np.array([[3, 4], [5, 7]]), truth, 2)
-    False
+    >>> truth = np.array([[3, 4], [5, 6], [7, 8]], np.int32)
+    >>> matching_rows(np.array([[3, 4], [5, 7], [7, 8]]), truth, 3)
+    1
+    >>> matching_rows(truth, truth, 3), matching_rows(truth + 1, truth, 3)
+    (3, 0)
     """
     width = truth.shape[1]
     for i in range(count):
@@ -397,8 +399,8 @@ def rows_match(block_table, truth, count):
         for col in range(width):
             differs |= np.int64(block_table[i, col]) ^ np.int64(truth[i, col])
         if differs != 0:
-            return False
-    return True
+            return i
+    return count
 
 
 @njit(cache=True)

@@ -327,7 +327,10 @@ def commit_pass(counts: np.ndarray, starts: Optional[np.ndarray], block_table: n
     return (len(rows), staged, padded_requests, max_len), lengths, tokens + mha
 
 
-def rows_match(block_table: np.ndarray, truth: np.ndarray, count: int) -> bool:
+def matching_rows(block_table: np.ndarray, truth: np.ndarray, count: int) -> int:
     width = truth.shape[1]
-    return bool(np.array_equal(block_table[:count, :width].astype(np.int64),
-                               truth[:count].astype(np.int64)))
+    for i in range(count):
+        if not np.array_equal(block_table[i, :width].astype(np.int64),
+                              truth[i].astype(np.int64)):
+            return i
+    return count

@@ -503,25 +503,27 @@ def test_commit_pass_matches_naive(has_starts, has_inherited, rng):
     assert full_batches and shifted
 
 
-def test_rows_match_matches_naive(rng):
-    """The mirror path places a commit's leading table rows from the device copy only
-    when this says every entry of them equals the host copy; a miss in any column
-    (including the last, or of a wider dtype's high bits) is a wrong block read."""
-    matches = 0
+def test_matching_rows_matches_naive(rng):
+    """The mirror path places a commit's leading ``k`` table rows from the device copy
+    when this says every entry of them equals the host copy, and stops at the first row
+    that differs; a miss in any column (including the last, or of a wider dtype's high
+    bits) is a wrong block read."""
+    full = partial = 0
     for _ in range(4 * CASES):
         num_rows, width, _ = geometry(rng)
         truth = block_table(rng, num_rows, width).astype(np.int32)
         table = np.concatenate([truth, rng.integers(0, 500, (num_rows, 2))], axis=1)
         table = table.astype(INDEX_DTYPES[int(rng.integers(2))])
-        if rng.random() < 0.6:
+        for _ in range(int(rng.integers(0, 3))):
             row, col = int(rng.integers(num_rows)), int(rng.integers(width))
             table[row, col] += (1 << 32) if table.dtype == np.int64 and rng.random() < .5 \
                 else 1
         count = int(rng.integers(0, num_rows + 1))
-        want = naive.rows_match(table, truth, count)
-        assert native.staging.rows_match(table, truth, count) is want
-        matches += want
-    assert 0 < matches < 4 * CASES
+        want = naive.matching_rows(table, truth, count)
+        assert native.staging.matching_rows(table, truth, count) == want
+        full += want == count
+        partial += 0 < want < count
+    assert full and partial
 
 
 # ------------------------------------------------------------------- docstring examples
