@@ -17,7 +17,8 @@ from .checks import (check_allocate, check_begin_decode, check_carry,
                      check_commit_inputs, check_config, check_decode_counts,
                      check_decode_view, check_draft_blocks, check_mha_inputs,
                      check_prefill_lengths, check_row_pair, check_take, check_token_inputs,
-                     raise_position_error, raise_refused_row_pair,
+                     raise_commit_block, raise_draft_block, raise_position_error,
+                     raise_refused_row_pair,
                      refuse_whole_annotations)
 from .errors import CarryNotAllocatedError, ForwardModeError, MTPDisabledError
 from .inputs import as_row_indices, check_flag, raise_row_out_of_range
@@ -448,6 +449,9 @@ class MTPMetadata(MetadataState, CapturedLoop):
             check_draft_blocks(self._geometry, target, backend.host_offsets,
                                backend.host_block_table, count)
         max_kv = backend.decode_step(target, count, padded, self.graphed)
+        if max_kv < -1:  # the kernel found a bad written block and wrote nothing
+            raise_draft_block(self._geometry, target, backend.host_offsets,
+                              backend.host_block_table, -2 - max_kv)
         if max_kv < 0:  # the kernel found a bad offset and wrote nothing
             raise_position_error(self._geometry, "active_offsets", backend.host_offsets,
                                  count)
@@ -534,9 +538,12 @@ class MTPMetadata(MetadataState, CapturedLoop):
          padded_requests) = check_commit_inputs(
             self._geometry, target, append_counts, block_table, start_positions,
             inherited_blocks, padded_token_count, padded_request_count)
-        staged, padded_requests, max_len = backend.commit_pass(
+        refused, staged, padded_requests, max_len = backend.commit_pass(
             target, counts, starts, table, inherited, padded_tokens, pad, min_padded,
             padded_requests)
+        if refused < 0:  # a bad written block or inherited count: nothing written
+            raise_commit_block(self._geometry, target, -refused, staged, padded_requests,
+                               counts, starts, table, inherited)
         self._forward_mode = MTPForwardMode.COMMIT
         self.last_forward = ForwardRecord("commit", gpu_view, int(total), padded_tokens,
                                           staged, padded_requests,

@@ -390,7 +390,11 @@ class MirrorBackend:
             token_args, request_args = stage.args(slot)
         max_kv = native.staging.decode_step_maps(
             self.host_offsets, self.host_block_table, count, padded, self.block_size,
-            self.dummy, self._scratch_q, self._scratch_kv, *token_args, *request_args[:4])
+            self.dummy, target.token_block_range[1], self._scratch_q, self._scratch_kv,
+            *token_args, *request_args[:4])
+        if max_kv < 0:  # a bad written block: the kernel wrote nothing, nothing ships
+            self._forward_ring.release(slot)
+            return max_kv
         if stage is None:
             self._flush(target, slot, layout, padded, count, padded, "pair", count,
                         device_rows=count)
@@ -440,7 +444,8 @@ class MirrorBackend:
     def commit_pass(self, target: ViewTarget, counts: np.ndarray,
                     starts: Optional[np.ndarray], table: np.ndarray,
                     inherited: Optional[np.ndarray], padded_tokens: int, pad_tokens: int,
-                    min_padded_requests: int, padded_requests: int) -> Tuple[int, int, int]:
+                    min_padded_requests: int, padded_requests: int
+                    ) -> Tuple[int, int, int, int]:
         self.refuse_capture("setup_commit_pass")
         device_rows = self._rows_on_device(target, table, counts.shape[0], pad_tokens)
         stage = self._commit_stage(target)
@@ -454,8 +459,11 @@ class MirrorBackend:
         total, staged, padded_requests, max_len = native.staging.commit_pass(
             counts, *kernel_optional(starts), table, *kernel_optional(inherited),
             padded_tokens, pad_tokens, self.max_requests, min_padded_requests,
-            self.block_size, self.dummy, device_rows, self._scratch_q, *token_args,
-            *request_args)
+            self.block_size, self.dummy, device_rows, self.buffers.block_table.shape[1],
+            target.token_block_range[1], self._scratch_q, *token_args, *request_args)
+        if total < 0:  # a bad written block: the kernel wrote nothing, nothing ships
+            self._forward_ring.release(slot)
+            return total, staged, padded_requests, max_len
         if stage is None:
             self._flush(target, slot, layout, padded_tokens, total, padded_requests,
                         "query", staged, device_rows, reused=True)
@@ -463,7 +471,7 @@ class MirrorBackend:
             stage.flush(slot, padded_tokens, total, padded_requests, staged, device_rows)
             self._forward_ring.release(slot)
         self.reused_table_rows += device_rows
-        return staged, padded_requests, max_len
+        return total, staged, padded_requests, max_len
 
     def _commit_stage(self, target: ViewTarget) -> Optional[CommitStage]:
         """The view's fixed commit-pass staging on the current forward ring

@@ -54,10 +54,11 @@ def first_outside_closed(values, low, high):
     return -1
 
 
-# Codes of ``first_bad_token_block`` / ``first_bad_commit_block`` (culprit beside).
-BLOCKS_OK = 0
-INHERITED_OUT_OF_RANGE = 1  # an inherited count outside [0, W]
-BAD_WRITTEN_BLOCK = 2  # a written block that is negative or above ``high``
+# Codes of ``first_bad_token_block`` and ``staging.first_bad_commit_block`` (the two
+# block scans the staging kernels run first live in ``staging``: numba's on-disk cache
+# does not track other files).
+from .staging import (BAD_WRITTEN_BLOCK, BLOCKS_OK, INHERITED_OUT_OF_RANGE,  # noqa: E402,F401
+                      first_bad_commit_block, first_bad_draft_block)
 
 
 @njit(cache=True)
@@ -96,71 +97,3 @@ def first_bad_token_block(rows, positions, block_table, inherited, has_inherited
         if block < 0 or block > high:
             return BAD_WRITTEN_BLOCK, t
     return BLOCKS_OK, -1
-
-
-@njit(cache=True)
-def first_bad_commit_block(counts, starts, has_starts, block_table, inherited,
-                           has_inherited, block_size, width, high):
-    """``first_bad_token_block`` for a commit pass, by request: ``(code, r, column)``,
-    ``(BLOCKS_OK, -1, -1)`` when all are good. Request ``r`` writes positions
-    ``starts[r] .. starts[r] + counts[r] - 1`` (from 0 without starts); columns below
-    ``inherited[r]`` go to the dummy block. INHERITED_OUT_OF_RANGE: ``inherited[r]``
-    outside ``[0, width]``; BAD_WRITTEN_BLOCK: the block at ``[r, column]`` is written
-    and negative or above ``high``. Spans must already be in the table
-    (``check_commit_inputs``).
-
-    >>> table = np.array([[3, -1], [5, 6]])  # block size 8, width 2
-    >>> first_bad_commit_block(np.array([9, 2]), np.array([0, 3]), True, table,
-    ...                        np.zeros(1, np.int64), False, 8, 2, 127)
-    (2, 0, 1)
-    >>> first_bad_commit_block(np.array([9, 2]), np.array([0, 3]), True, table,
-    ...                        np.array([2, 0]), True, 8, 2, 127)
-    (0, -1, -1)
-    >>> first_bad_commit_block(np.array([9, 2]), np.array([0, 3]), True, table,
-    ...                        np.array([2, -1]), True, 8, 2, 127)
-    (1, 1, -1)
-    """
-    for r in range(counts.shape[0]):
-        protected = np.int64(0)
-        if has_inherited:
-            protected = np.int64(inherited[r])
-            if protected < 0 or protected > width:
-                return INHERITED_OUT_OF_RANGE, r, -1
-        count = np.int64(counts[r])
-        if count <= 0:
-            continue
-        start = np.int64(starts[r]) if has_starts else np.int64(0)
-        first = start // block_size
-        last = (start + count - 1) // block_size
-        if first < protected:
-            first = protected
-        for column in range(first, last + 1):
-            block = block_table[r, column]
-            if block < 0 or block > high:
-                return BAD_WRITTEN_BLOCK, r, column
-    return BLOCKS_OK, -1, -1
-
-
-@njit(cache=True)
-def first_bad_draft_block(offsets, block_table, count, block_size, high):
-    """One draft depth's written blocks: the first row ``i < count`` whose block
-    ``block_table[i, offsets[i] // BS]`` is negative (an unallocated block) or above
-    ``high``, else -1. Offsets outside the table are skipped (the depth's own check
-    refuses them). offsets: int32 [>= count]; block_table: int [>= count, W].
-
-    >>> table = np.array([[3, -1], [-1, 4]])  # block size 8
-    >>> first_bad_draft_block(np.array([7, 8]), table, 2, 8, 127)
-    -1
-    >>> first_bad_draft_block(np.array([8, 8]), table, 2, 8, 127)  # row 0: column 1
-    0
-    """
-    width = block_table.shape[1]
-    for i in range(count):
-        position = np.int64(offsets[i])
-        column = position // block_size
-        if position < 0 or column >= width:
-            continue
-        block = block_table[i, column]
-        if block < 0 or block > high:
-            return i
-    return -1

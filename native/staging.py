@@ -20,6 +20,11 @@ NEGATIVE_POSITION = 3
 BLOCK_COLUMN_TOO_LARGE = 4
 NEGATIVE_COUNT = 5
 
+# Codes of ``first_bad_token_block`` / ``first_bad_commit_block`` (culprit beside).
+BLOCKS_OK = 0
+INHERITED_OUT_OF_RANGE = 1  # an inherited count outside [0, W]
+BAD_WRITTEN_BLOCK = 2  # a written block that is negative or above ``high``
+
 
 # --------------------------------------------------------------------------- draft loop
 @njit(cache=True)
@@ -268,6 +273,74 @@ def write_commit_token_maps(counts, starts, has_starts, block_table, inherited,
     return t
 
 
+@njit(cache=True)
+def first_bad_commit_block(counts, starts, has_starts, block_table, inherited,
+                           has_inherited, block_size, width, high):
+    """``first_bad_token_block`` for a commit pass, by request: ``(code, r, column)``,
+    ``(BLOCKS_OK, -1, -1)`` when all are good. Request ``r`` writes positions
+    ``starts[r] .. starts[r] + counts[r] - 1`` (from 0 without starts); columns below
+    ``inherited[r]`` go to the dummy block. INHERITED_OUT_OF_RANGE: ``inherited[r]``
+    outside ``[0, width]``; BAD_WRITTEN_BLOCK: the block at ``[r, column]`` is written
+    and negative or above ``high``. Spans must already be in the table
+    (``check_commit_inputs``).
+
+    >>> table = np.array([[3, -1], [5, 6]])  # block size 8, width 2
+    >>> first_bad_commit_block(np.array([9, 2]), np.array([0, 3]), True, table,
+    ...                        np.zeros(1, np.int64), False, 8, 2, 127)
+    (2, 0, 1)
+    >>> first_bad_commit_block(np.array([9, 2]), np.array([0, 3]), True, table,
+    ...                        np.array([2, 0]), True, 8, 2, 127)
+    (0, -1, -1)
+    >>> first_bad_commit_block(np.array([9, 2]), np.array([0, 3]), True, table,
+    ...                        np.array([2, -1]), True, 8, 2, 127)
+    (1, 1, -1)
+    """
+    for r in range(counts.shape[0]):
+        protected = np.int64(0)
+        if has_inherited:
+            protected = np.int64(inherited[r])
+            if protected < 0 or protected > width:
+                return INHERITED_OUT_OF_RANGE, r, -1
+        count = np.int64(counts[r])
+        if count <= 0:
+            continue
+        start = np.int64(starts[r]) if has_starts else np.int64(0)
+        first = start // block_size
+        last = (start + count - 1) // block_size
+        if first < protected:
+            first = protected
+        for column in range(first, last + 1):
+            block = block_table[r, column]
+            if block < 0 or block > high:
+                return BAD_WRITTEN_BLOCK, r, column
+    return BLOCKS_OK, -1, -1
+
+
+@njit(cache=True)
+def first_bad_draft_block(offsets, block_table, count, block_size, high):
+    """One draft depth's written blocks: the first row ``i < count`` whose block
+    ``block_table[i, offsets[i] // BS]`` is negative (an unallocated block) or above
+    ``high``, else -1. Offsets outside the table are skipped (the depth's own check
+    refuses them). offsets: int32 [>= count]; block_table: int [>= count, W].
+
+    >>> table = np.array([[3, -1], [-1, 4]])  # block size 8
+    >>> first_bad_draft_block(np.array([7, 8]), table, 2, 8, 127)
+    -1
+    >>> first_bad_draft_block(np.array([8, 8]), table, 2, 8, 127)  # row 0: column 1
+    0
+    """
+    width = block_table.shape[1]
+    for i in range(count):
+        position = np.int64(offsets[i])
+        column = position // block_size
+        if position < 0 or column >= width:
+            continue
+        block = block_table[i, column]
+        if block < 0 or block > high:
+            return i
+    return -1
+
+
 # ------------------------------------------------------------------------ lengths / MHA
 @njit(cache=True)
 def stage_prefill_lengths(counts, pad_tokens, max_requests, lengths):
@@ -435,7 +508,7 @@ def write_mha_metadata(query_lengths, kv_lengths, count, block_table, num_table_
 
 # ----------------------------------------------------------------------- fused forwards
 @njit(cache=True)
-def decode_step_maps(offsets, block_table, count, padded, block_size, dummy,
+def decode_step_maps(offsets, block_table, count, padded, block_size, dummy, high,
                      query_lengths, kv_lengths, pos_ids, block_idx, local_pos, request_idx,
                      position_in_request, mha_query_lengths, mha_kv_seq_lengths,
                      mha_cu_query_seq_lengths, mha_cu_kv_seq_lengths):
@@ -443,8 +516,10 @@ def decode_step_maps(offsets, block_table, count, padded, block_size, dummy,
     ``offsets[:n]`` through ``block_table[:n]`` padded to ``padded``, the decode
     lengths, and the MHA lengths and sums padded to ``padded``. O(padded) work, whatever
     the table's width: ``block_table`` is read once per token. Returns the largest KV
-    length, or -1 without writing anything when an offset is negative or past the
-    table (``offsets_in_table``).
+    length; without writing anything, ``-2 - i`` when row ``i``'s written block is
+    negative (unallocated) or above ``high`` (``first_bad_draft_block``, the first such
+    row), else -1 when an offset is negative or past the table (``offsets_in_table``).
+    Both refusals are found before the first write (two short scans of the offsets).
 
     offsets: int32 [R]; block_table: [R, W]; query/kv lengths: int32 [R]; the five token
     outputs as in ``write_token_maps``, the four length outputs as in
@@ -454,11 +529,16 @@ def decode_step_maps(offsets, block_table, count, padded, block_size, dummy,
     >>> tokens = [np.zeros(4, np.int64)] + [np.zeros(4, np.int32) for _ in range(4)]
     >>> mha = [np.zeros(n, np.int32) for n in (3, 3, 4, 4)]
     >>> offsets, table = np.array([5, 11, 0], np.int32), np.array([[3, 4], [5, 6], [0, 0]])
-    >>> decode_step_maps(offsets, table, 2, 3, 8, 99, *lengths, *tokens, *mha)
+    >>> decode_step_maps(offsets, table, 2, 3, 8, 99, 127, *lengths, *tokens, *mha)
     12
     >>> tokens[1].tolist(), tokens[2].tolist(), mha[3].tolist()  # block, local, cu_kv
     ([3, 6, 99, 0], [5, 3, 0, 0], [0, 6, 18, 18])
+    >>> decode_step_maps(offsets, table, 2, 3, 8, 99, 5, *lengths, *tokens, *mha)  # 6 > 5
+    -3
     """
+    bad_row = first_bad_draft_block(offsets, block_table, count, block_size, high)
+    if bad_row >= 0:
+        return -2 - bad_row
     if not offsets_in_table(offsets, count, block_size, block_table.shape[1]):
         return -1
     for t in range(count):
@@ -473,13 +553,13 @@ def decode_step_maps(offsets, block_table, count, padded, block_size, dummy,
 
 
 @njit(cache=True)
-def decode_step(offsets, block_table, count, padded, block_size, dummy, query_lengths,
-                kv_lengths, pos_ids, block_idx, local_pos, request_idx,
+def decode_step(offsets, block_table, count, padded, block_size, dummy, high,
+                query_lengths, kv_lengths, pos_ids, block_idx, local_pos, request_idx,
                 position_in_request, mha_query_lengths, mha_kv_seq_lengths, mha_cu_query_seq_lengths,
                 mha_cu_kv_seq_lengths, mha_block_table):
     """One draft depth in one call: ``decode_step_maps`` plus the MHA block table
     (``block_table[:n]``, then -1 rows to ``padded``). Returns the largest KV length, or
-    -1 without writing anything when an offset is negative or past the table.
+    a refusal of ``decode_step_maps`` (-1, ``-2 - i``) without writing anything.
 
     offsets: int32 [R]; block_table: [R, W]; query/kv lengths: int32 [R]; the ten view
     outputs as in ``write_token_maps`` / ``write_mha_metadata``.
@@ -488,12 +568,12 @@ def decode_step(offsets, block_table, count, padded, block_size, dummy, query_le
     >>> tokens = [np.zeros(4, np.int64)] + [np.zeros(4, np.int32) for _ in range(4)]
     >>> mha = [np.zeros(n, np.int32) for n in (3, 3, 4, 4)] + [np.zeros((3, 2), np.int32)]
     >>> offsets, table = np.array([5, 11, 0], np.int32), np.array([[3, 4], [5, 6], [0, 0]])
-    >>> decode_step(offsets, table, 2, 3, 8, 99, *lengths, *tokens, *mha)
+    >>> decode_step(offsets, table, 2, 3, 8, 99, 127, *lengths, *tokens, *mha)
     12
     >>> tokens[1].tolist(), tokens[2].tolist(), mha[3].tolist()  # block, local, cu_kv
     ([3, 6, 99, 0], [5, 3, 0, 0], [0, 6, 18, 18])
     """
-    max_kv = decode_step_maps(offsets, block_table, count, padded, block_size, dummy,
+    max_kv = decode_step_maps(offsets, block_table, count, padded, block_size, dummy, high,
                               query_lengths, kv_lengths, pos_ids, block_idx, local_pos,
                               request_idx, position_in_request, mha_query_lengths,
                               mha_kv_seq_lengths, mha_cu_query_seq_lengths,
@@ -525,7 +605,7 @@ def dummy_past_span(mha_block_table, row, span_end, block_size, dummy):
 @njit(cache=True)
 def commit_pass(counts, starts, has_starts, block_table, inherited, has_inherited,
                 padded_tokens, pad_tokens, max_requests, min_padded_requests, block_size,
-                dummy, first_table_row, lengths, pos_ids, block_idx, local_pos, request_idx,
+                dummy, first_table_row, width, high, lengths, pos_ids, block_idx, local_pos, request_idx,
                 position_in_request, mha_query_lengths, mha_kv_seq_lengths,
                 mha_cu_query_seq_lengths, mha_cu_kv_seq_lengths, mha_block_table):
     """A whole varlen commit pass in one call; returns ``(T, m, padded_requests, max_len)``.
@@ -538,7 +618,16 @@ def commit_pass(counts, starts, has_starts, block_table, inherited, has_inherite
     not written and ``mha_block_table`` holds rows from ``first_table_row`` on
     (``write_mha_block_rows``); the caller keeps ``first_table_row <= P - 1`` when the
     last request absorbs the pad, and ``0`` means every row.
+
+    First, before anything is written, the blocks the tokens write are scanned
+    (``first_bad_commit_block`` with ``width`` and ``high``): on a bad one it returns
+    ``(-code, r, column, 0)`` and writes nothing.
     """
+    code, bad_request, bad_column = first_bad_commit_block(
+        counts, starts, has_starts, block_table, inherited, has_inherited, block_size,
+        width, high)
+    if code != BLOCKS_OK:
+        return -code, bad_request, bad_column, np.int64(0)
     num_prefill = counts.shape[0]
     total = write_commit_token_maps(counts, starts, has_starts, block_table, inherited,
                                     has_inherited, padded_tokens, block_size, dummy,

@@ -259,7 +259,16 @@ def decode_case(rng: np.random.Generator):
     table = block_table(rng, num_rows, width)
     q, kv = garbage(rng, num_rows, np.int32), garbage(rng, num_rows, np.int32)
     view = token_outputs(rng, padded + 2) + mha_outputs(rng, padded + 1, width)
-    return offsets, table, count, padded, block_size, q, kv, view
+    return offsets, table, count, padded, block_size, q, kv, view, block_high(rng, table)
+
+
+def block_high(rng: np.random.Generator, table: np.ndarray) -> int:
+    """The largest block id a kernel may write: mostly above every entry of ``table``,
+    in about one case in four a bound some entries exceed; in about one in eight an
+    entry is made negative (unallocated)."""
+    if rng.random() < 0.125:
+        table[rng.integers(table.shape[0]), rng.integers(table.shape[1])] = -1
+    return int(rng.integers(0, 500)) if rng.random() < 0.25 else 1000
 
 
 def test_decode_step_matches_naive_and_refuses_offsets_past_the_table(rng):
@@ -268,11 +277,11 @@ def test_decode_step_matches_naive_and_refuses_offsets_past_the_table(rng):
     or a partial write before an offset past the table is caught would corrupt KV."""
     accepted = refused = 0
     for _ in range(CASES):
-        offsets, table, count, padded, block_size, q, kv, view = decode_case(rng)
+        offsets, table, count, padded, block_size, q, kv, view, high = decode_case(rng)
         want_max, want_q, want_kv, want_view = naive.decode_step(
-            offsets, table, count, padded, block_size, DUMMY, q, kv, view)
+            offsets, table, count, padded, block_size, DUMMY, high, q, kv, view)
         got_max = native.staging.decode_step(offsets, table, count, padded, block_size,
-                                             DUMMY, q, kv, *view)
+                                             DUMMY, high, q, kv, *view)
         assert got_max == want_max
         assert_same([q, kv] + view, [want_q, want_kv] + want_view)
         refused += got_max < 0
@@ -287,12 +296,12 @@ def test_decode_step_maps_equals_decode_step_without_touching_a_table(rng):
     [padded, W] table back into every depth's pinned staging."""
     accepted = refused = 0
     for _ in range(CASES):
-        offsets, table, count, padded, block_size, q, kv, view = decode_case(rng)
+        offsets, table, count, padded, block_size, q, kv, view, high = decode_case(rng)
         want_max, want_q, want_kv, want_view = naive.decode_step(
-            offsets, table, count, padded, block_size, DUMMY, q, kv, view)
+            offsets, table, count, padded, block_size, DUMMY, high, q, kv, view)
         table_before = view[9].copy()
         got_max = native.staging.decode_step_maps(offsets, table, count, padded,
-                                                  block_size, DUMMY, q, kv, *view[:9])
+                                                  block_size, DUMMY, high, q, kv, *view[:9])
         assert got_max == want_max
         assert_same([q, kv] + view[:9], [want_q, want_kv] + want_view[:9])
         assert_same([view[9]], [table_before])
@@ -471,7 +480,7 @@ def test_commit_pass_matches_naive(has_starts, has_inherited, rng):
     over ``max(min_padded_requests, m)`` slots, table rows from ``first_table_row`` on.
     Any field off against the composed naive steps is a KV write or read in the wrong
     place."""
-    full_batches = shifted = 0
+    full_batches = shifted = refused = 0
     for _ in range(CASES):
         num_rows, width, block_size = geometry(rng)
         counts, starts, inherited = valid_commit(rng, num_rows, width, block_size)
@@ -481,6 +490,7 @@ def test_commit_pass_matches_naive(has_starts, has_inherited, rng):
         min_padded = int(rng.integers(0, num_rows + 1))
         slots = max(min_padded, num_prefill + 1)
         table = block_table(rng, num_rows, width)
+        high = block_high(rng, table)
         lengths = garbage(rng, num_rows + 1, np.int32)
         view = token_outputs(rng, padded_tokens + 2) + mha_outputs(rng, slots + 1, width)
         absorbs = num_prefill == num_rows and pad_tokens > 0
@@ -490,17 +500,18 @@ def test_commit_pass_matches_naive(has_starts, has_inherited, rng):
         want_result, want_lengths, want_view = naive.commit_pass(
             counts, starts if has_starts else None, table,
             inherited if has_inherited else None, padded_tokens, pad_tokens, num_rows,
-            min_padded, block_size, DUMMY, lengths, view, first_row)
+            min_padded, block_size, DUMMY, lengths, view, first_row, width, high)
         got_result = native.staging.commit_pass(
             counts, starts if has_starts else np.zeros(1, np.int64), has_starts, table,
             inherited if has_inherited else np.zeros(1, np.int64), has_inherited,
             padded_tokens, pad_tokens, num_rows, min_padded, block_size, DUMMY, first_row,
-            lengths, *view)
+            width, high, lengths, *view)
+        refused += got_result[0] < 0
         assert got_result == want_result
         assert_same([lengths] + view, [want_lengths] + want_view)
         full_batches += absorbs
         shifted += first_row > 0 and absorbs
-    assert full_batches and shifted
+    assert full_batches and shifted and refused
 
 
 def test_matching_rows_matches_naive(rng):
