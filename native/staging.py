@@ -507,6 +507,26 @@ def write_mha_metadata(query_lengths, kv_lengths, count, block_table, num_table_
 
 
 # ----------------------------------------------------------------------- fused forwards
+@njit(cache=True, inline='always')
+def _draft_rows_status(offsets, block_table, count, block_size, high):
+    """One scan of a draft depth's rows: ``-2 - i`` for the first row ``i`` whose
+    written block is negative or above ``high`` (rows with a bad offset skipped, as
+    ``first_bad_draft_block``), else -1 when an offset is negative or past the table
+    (``offsets_in_table``), else 0."""
+    width = block_table.shape[1]
+    status = 0
+    for i in range(count):
+        position = np.int64(offsets[i])
+        column = position // block_size
+        if position < 0 or column >= width:
+            status = -1
+            continue
+        block = block_table[i, column]
+        if block < 0 or block > high:
+            return -2 - i
+    return status
+
+
 @njit(cache=True)
 def decode_step_maps(offsets, block_table, count, padded, block_size, dummy, high,
                      query_lengths, kv_lengths, pos_ids, block_idx, local_pos, request_idx,
@@ -519,7 +539,7 @@ def decode_step_maps(offsets, block_table, count, padded, block_size, dummy, hig
     length; without writing anything, ``-2 - i`` when row ``i``'s written block is
     negative (unallocated) or above ``high`` (``first_bad_draft_block``, the first such
     row), else -1 when an offset is negative or past the table (``offsets_in_table``).
-    Both refusals are found before the first write (two short scans of the offsets).
+    Both refusals are found in one scan of the offsets, before the first write.
 
     offsets: int32 [R]; block_table: [R, W]; query/kv lengths: int32 [R]; the five token
     outputs as in ``write_token_maps``, the four length outputs as in
@@ -536,11 +556,9 @@ def decode_step_maps(offsets, block_table, count, padded, block_size, dummy, hig
     >>> decode_step_maps(offsets, table, 2, 3, 8, 99, 5, *lengths, *tokens, *mha)  # 6 > 5
     -3
     """
-    bad_row = first_bad_draft_block(offsets, block_table, count, block_size, high)
-    if bad_row >= 0:
-        return -2 - bad_row
-    if not offsets_in_table(offsets, count, block_size, block_table.shape[1]):
-        return -1
+    status = _draft_rows_status(offsets, block_table, count, block_size, high)
+    if status < 0:
+        return status
     for t in range(count):
         _write_token(t, t, np.int64(offsets[t]), 0, block_table, block_size, dummy, pos_ids,
                      block_idx, local_pos, request_idx, position_in_request)
