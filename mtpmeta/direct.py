@@ -71,7 +71,8 @@ class DirectBackend:
         negative block or one past ``token_to_block_idx``."""
         return native.staging.decode_step(self.host_offsets, self._block_table, count,
                                           padded, self.block_size, self.dummy,
-                                          target.token_block_range[1], self._query_lengths, self._kv_lengths,
+                                          target.token_block_range[1], self._query_lengths,
+                                          self._kv_lengths,
                                           *target.token_arrays, *target.request_arrays)
 
     # ---------------------------------------------------------------- commit pass

@@ -41,8 +41,9 @@ and its pad rows from a persistent device block of -1, both device-to-device in 
 same ``_foreach_copy_``. So a depth's host work and H2D bytes do not grow with ``W``.
 A commit pass takes its leading table rows device-to-device too, the longest prefix
 of ``[:min(P, n)]`` equal to the rows that draft loop staged (compared on the host
-against ``host_block_table``; the rest are copied, so one pass per table), but from ``_reuse_table``, a private device copy that no public
-name aliases: begin_decode's H2D copy lands there and one device-to-device copy fills
+against ``host_block_table``; the rest are copied, so one pass per table), but
+from ``_reuse_table``, a private device copy that no public name aliases:
+begin_decode's H2D copy lands there and one device-to-device copy fills
 ``block_table[:n]`` from it (3 data ops per begin; 15 per standard step, advances
 included), so no write into the persistent buffers (in place, ``.data``, DLPack, a
 graph replay, under ``torch.inference_mode``) can reach a row a commit places. A step

@@ -623,8 +623,8 @@ def dummy_past_span(mha_block_table, row, span_end, block_size, dummy):
 @njit(cache=True)
 def commit_pass(counts, starts, has_starts, block_table, inherited, has_inherited,
                 padded_tokens, pad_tokens, max_requests, min_padded_requests, block_size,
-                dummy, first_table_row, width, high, lengths, pos_ids, block_idx, local_pos, request_idx,
-                position_in_request, mha_query_lengths, mha_kv_seq_lengths,
+                dummy, first_table_row, width, high, lengths, pos_ids, block_idx, local_pos,
+                request_idx, position_in_request, mha_query_lengths, mha_kv_seq_lengths,
                 mha_cu_query_seq_lengths, mha_cu_kv_seq_lengths, mha_block_table):
     """A whole varlen commit pass in one call; returns ``(T, m, padded_requests, max_len)``.
 
