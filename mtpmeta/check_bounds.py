@@ -30,7 +30,7 @@ _first_outside_closed = native.checks.first_outside_closed
 
 @enum.unique
 class TokenStatus(enum.IntEnum):
-    """Codes of ``native.staging.check_token_inputs`` / ``check_commit_inputs`` (the
+    """Codes of ``native.checks.check_token_inputs`` / ``check_commit_inputs`` (the
     kernels return the plain ints, numba has no enums; these are the same values)."""
 
     OK = native.staging.TOKENS_OK

@@ -44,12 +44,12 @@ __all__ = ["Geometry", "TokenStatus", "CarryStatus", "check_config", "check_allo
            "check_view_device", "check_decode_counts", "check_begin_decode",
            "check_decode_view", "raise_position_error", "check_prefill_lengths",
            "check_commit_inputs", "check_token_inputs", "check_mha_inputs",
-           "check_draft_blocks", "check_rows_fit"]
+           "check_draft_blocks", "raise_draft_block", "raise_commit_block",
+           "check_rows_fit"]
 
 _first_outside = native.checks.first_outside
 _first_bad_draft_block = native.checks.first_bad_draft_block
 _first_bad_token_block = native.checks.first_bad_token_block
-_first_bad_commit_block = native.checks.first_bad_commit_block
 _INHERITED_OUT_OF_RANGE = native.checks.INHERITED_OUT_OF_RANGE
 _check_take = native.carry.check_take
 
@@ -250,24 +250,30 @@ def check_begin_decode(geo: Geometry, active_request_count: Any, padded_count: A
 
 def check_draft_blocks(geo: Geometry, target: ViewTarget, offsets: np.ndarray,
                        table: np.ndarray, count: int) -> None:
-    """One draft depth's blocks, on the host copy of the draft state (offsets int32
-    [R], table [R, W] of block_table_dtype): the block each real row writes is
-    allocated (``>= 0``) and fits ``token_to_block_idx``; when ``block_table_dtype``
-    holds more than the view's ``mha_block_table``, every entry of the rows
-    ``[:count]`` (copied there whole) fits it too. Offsets outside the table are left
-    to the depth's own position check. Cost: one row lookup per request (about 1 µs
-    for 192 rows, mostly the kernel call); the row scan only with a wider table."""
-    i = _first_bad_draft_block(offsets, table, count, geo.block_size_tokens,
-                               target.token_block_range[1])
-    if i >= 0:
-        column = int(offsets[i]) // geo.block_size_tokens
-        _raise_written_block(_DRAFT_TABLE, int(table[i, column]), i, column,
-                             f"draft row {i} (offset {int(offsets[i])})", target)
+    """One draft depth's table rows, on the host copy of the draft state (offsets int32
+    [R], table [R, W] of block_table_dtype): when ``block_table_dtype`` holds more than the view's
+    ``mha_block_table``, every entry of the rows ``[:count]`` (copied there whole) fits
+    it. The block each real row writes is checked by the depth's kernel itself
+    (``native.staging.decode_step_maps``; ``raise_draft_block`` names a refusal), and
+    here first only with such a wide table, so that its refusal is the one named."""
     low, high = geo.table_range
     row_low, row_high = target.table_block_range
     if low < row_low or high > row_high:
+        row = _first_bad_draft_block(offsets, table, count, geo.block_size_tokens,
+                                     target.token_block_range[1])
+        if row >= 0:
+            raise_draft_block(geo, target, offsets, table, row)
         _scan_rows_fit(table, count, target.table_block_range, _DRAFT_TABLE,
                        "gpu_view.mha_block_table dtype", target.fields.mha_block_table.dtype)
+
+
+def raise_draft_block(geo: Geometry, target: ViewTarget, offsets: np.ndarray,
+                      table: np.ndarray, row: int) -> None:
+    """Name the draft row whose written block the depth's kernel refused (``-2 - row``):
+    negative (unallocated) or past ``token_to_block_idx``."""
+    column = int(offsets[row]) // geo.block_size_tokens
+    _raise_written_block(_DRAFT_TABLE, int(table[row, column]), row, column,
+                         f"draft row {row} (offset {int(offsets[row])})", target)
 
 
 _DRAFT_TABLE = "block_table (the draft loop's, from begin_decode)"
@@ -326,24 +332,15 @@ def check_commit_inputs(geo: Geometry, target: ViewTarget, append_counts: Any,
     starts = as_optional_per_request(start_positions, "start_positions", num_prefill)
     inherited = as_optional_per_request(inherited_blocks, "inherited_blocks", num_prefill)
     columns = min(geo.max_kv_block_count, table.shape[1])
-    code, culprit, total, _ = native.staging.check_commit_inputs(
+    code, culprit, total, _ = native.checks.check_commit_inputs(
         counts, starts if starts is not None else counts, starts is not None, columns,
         geo.block_size_tokens)
     if code:
         _raise_commit_status(geo, code, culprit, counts, starts, columns)
     check_rows_fit(table, num_prefill, target.table_block_range, "block_table",
                    "gpu_view.mha_block_table dtype", target.fields.mha_block_table.dtype)
-    code, r, column = _first_bad_commit_block(
-        counts, starts if starts is not None else counts, starts is not None, table,
-        *kernel_optional(inherited), geo.block_size_tokens, geo.max_kv_block_count,
-        target.token_block_range[1])
-    if code == _INHERITED_OUT_OF_RANGE:
-        _raise_inherited_range(geo, inherited, r)
-    if code:
-        start = 0 if starts is None else int(starts[r])
-        _raise_written_block("block_table", int(table[r, column]), r, column,
-                             f"request {r} (positions {start}..{start + int(counts[r]) - 1})",
-                             target)
+    # The written blocks and inherited counts: scanned by the commit kernel itself,
+    # before its first write (raise_commit_block names a refusal).
     if total > target.max_tokens:
         raise ValueError(f"append_counts: {total} tokens > max_tokens "
                          f"{target.max_tokens} of gpu_view{_shortest_token_field(target)}")
@@ -362,12 +359,26 @@ def check_commit_inputs(geo: Geometry, target: ViewTarget, append_counts: Any,
             padded_requests)
 
 
+def raise_commit_block(geo: Geometry, target: ViewTarget, code: int, r: int,
+                       column: int, counts: np.ndarray, starts: Optional[np.ndarray],
+                       table: np.ndarray, inherited: Optional[np.ndarray]) -> None:
+    """Name the refusal of ``native.staging.commit_pass`` (``(-code, r, column, 0)``):
+    request ``r``'s inherited count outside ``[0, W]``, or the block at ``[r, column]``
+    it writes negative or past ``token_to_block_idx``."""
+    if code == _INHERITED_OUT_OF_RANGE:
+        _raise_inherited_range(geo, inherited, r)
+    start = 0 if starts is None else int(starts[r])
+    _raise_written_block("block_table", int(table[r, column]), r, column,
+                         f"request {r} (positions {start}..{start + int(counts[r]) - 1})",
+                         target)
+
+
 # --------------------------------------------------------------------- writers
 def check_token_inputs(geo: Geometry, target: ViewTarget, rows: Any, positions: Any,
                        block_table: Any, padded_token_count: Any,
                        inherited_blocks: Any) -> TokenInputs:
     """``write_token_maps``'s inputs; on the host, every token's row and position are
-    scanned (``native.staging.check_token_inputs``) before anything is written."""
+    scanned (``native.checks.check_token_inputs``) before anything is written."""
     if geo.mirror and any(is_device_tensor(x, geo.runtime) for x in
                           (rows, positions, block_table, inherited_blocks)):
         named = (("rows", rows, 1), ("positions", positions, 1),
@@ -390,7 +401,7 @@ def check_token_inputs(geo: Geometry, target: ViewTarget, rows: Any, positions: 
                          "must have the same length")
     padded = _padded_tokens(target, padded_token_count, count)
     columns = min(geo.max_kv_block_count, table.shape[1])
-    code, t = native.staging.check_token_inputs(
+    code, t = native.checks.check_token_inputs(
         rows_np, positions_np, table.shape[0],
         0 if inherited is None else inherited.shape[0], inherited is not None, columns,
         geo.block_size_tokens)

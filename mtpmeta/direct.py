@@ -44,7 +44,7 @@ class DirectBackend:
                      table_src: np.ndarray) -> bool:
         """Stage the draft loop; False (nothing written) when a start position is
         negative or past the block table."""
-        if not native.staging.copy_decode_inputs(start_positions, table_src, count,
+        if not native.draft_state.copy_decode_inputs(start_positions, table_src, count,
                                                  self.block_size, self.host_offsets,
                                                  self._block_table):
             return False
@@ -52,13 +52,13 @@ class DirectBackend:
         return True
 
     def begin_decode_for_capture(self, count: int) -> None:
-        native.staging.fill_capture_state(self.host_offsets, self._block_table, count,
+        native.draft_state.fill_capture_state(self.host_offsets, self._block_table, count,
                                           self.dummy)
         captured.stage_count(self._draft_count, count)  # a numpy write
 
 
     def advance_decode_step(self, count: int) -> None:
-        native.staging.advance_offsets(self.host_offsets, count)
+        native.draft_state.advance_offsets(self.host_offsets, count)
 
     def stage_decode_lengths(self, count: int) -> None:
         native.staging.stage_decode_lengths(self.host_offsets, count, self._query_lengths,
@@ -66,11 +66,13 @@ class DirectBackend:
 
     def decode_step(self, target: ViewTarget, count: int, padded: int,
                     graphed: bool) -> int:
-        """One draft depth; the largest KV length, or -1 (nothing written) when an
-        offset is negative or past the block table."""
+        """One draft depth; the largest KV length, or (nothing written) -1 when an
+        offset is negative or past the block table, ``-2 - i`` when row ``i`` writes a
+        negative block or one past ``token_to_block_idx``."""
         return native.staging.decode_step(self.host_offsets, self._block_table, count,
                                           padded, self.block_size, self.dummy,
-                                          self._query_lengths, self._kv_lengths,
+                                          target.token_block_range[1], self._query_lengths,
+                                          self._kv_lengths,
                                           *target.token_arrays, *target.request_arrays)
 
     # ---------------------------------------------------------------- commit pass
@@ -81,13 +83,16 @@ class DirectBackend:
     def commit_pass(self, target: ViewTarget, counts: np.ndarray,
                     starts: Optional[np.ndarray], table: np.ndarray,
                     inherited: Optional[np.ndarray], padded_tokens: int, pad_tokens: int,
-                    min_padded_requests: int, padded_requests: int) -> Tuple[int, int, int]:
-        _, staged, padded_requests, max_len = native.staging.commit_pass(
+                    min_padded_requests: int, padded_requests: int
+                    ) -> Tuple[int, int, int, int]:
+        """The commit pass; ``(T, m, padded_requests, max_len)``, or (nothing written)
+        ``(-code, r, column, 0)`` for a bad written block (``native.staging.commit_pass``)."""
+        return native.staging.commit_pass(
             counts, *kernel_optional(starts), table, *kernel_optional(inherited),
             padded_tokens, pad_tokens, self.max_requests, min_padded_requests,
-            self.block_size, self.dummy, 0, self._query_lengths, *target.token_arrays,
-            *target.request_arrays)
-        return staged, padded_requests, max_len
+            self.block_size, self.dummy, 0, self._block_table.shape[1],
+            target.token_block_range[1],
+            self._query_lengths, *target.token_arrays, *target.request_arrays)
 
     # -------------------------------------------------------------------- writers
     def write_token_maps(self, target: ViewTarget, rows: np.ndarray,

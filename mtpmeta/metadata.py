@@ -16,12 +16,14 @@ from . import native
 from .check_bounds import refuse_whole_annotations
 from .checks import (check_allocate, check_begin_decode, check_carry,
                      check_commit_inputs, check_config, check_decode_counts,
-                     check_decode_view, check_draft_blocks, check_mha_inputs,
-                     check_prefill_lengths, check_row_pair, check_take, check_token_inputs,
-                     raise_position_error, raise_refused_row_pair)
+                     check_decode_view, check_draft_blocks,
+                     check_prefill_lengths, check_row_pair, check_take,
+                     raise_commit_block, raise_draft_block, raise_position_error,
+                     raise_refused_row_pair)
 from .errors import CarryNotAllocatedError, ForwardModeError, MTPDisabledError
 from .inputs import as_row_indices, check_flag, raise_row_out_of_range
 from .captured_loop import CapturedLoop
+from .writers import ViewWriters
 from .state import MetadataState, carry_setter, install_debug_checks_from_env
 from .types import ForwardRecord, ForwardShape, MTPForwardMode
 
@@ -40,7 +42,7 @@ _move_rows, _swap_rows, _reset_rows = (native.rows.move_rows, native.rows.swap_r
 _record_carry = native.carry.record
 
 
-class MTPMetadata(MetadataState, CapturedLoop):
+class MTPMetadata(MetadataState, CapturedLoop, ViewWriters):
     """MTP request annotations, chunk carry, and KV-cache forward buffers.
 
     A drop-in for upstream's pure-torch class (``core.inference.contexts.mtp_metadata``):
@@ -448,6 +450,9 @@ class MTPMetadata(MetadataState, CapturedLoop):
             check_draft_blocks(self._geometry, target, backend.host_offsets,
                                backend.host_block_table, count)
         max_kv = backend.decode_step(target, count, padded, self.graphed)
+        if max_kv < -1:  # the kernel found a bad written block and wrote nothing
+            raise_draft_block(self._geometry, target, backend.host_offsets,
+                              backend.host_block_table, -2 - max_kv)
         if max_kv < 0:  # the kernel found a bad offset and wrote nothing
             raise_position_error(self._geometry, "active_offsets", backend.host_offsets,
                                  count)
@@ -534,9 +539,12 @@ class MTPMetadata(MetadataState, CapturedLoop):
          padded_requests) = check_commit_inputs(
             self._geometry, target, append_counts, block_table, start_positions,
             inherited_blocks, padded_token_count, padded_request_count)
-        staged, padded_requests, max_len = backend.commit_pass(
+        refused, staged, padded_requests, max_len = backend.commit_pass(
             target, counts, starts, table, inherited, padded_tokens, pad, min_padded,
             padded_requests)
+        if refused < 0:  # a bad written block or inherited count: nothing written
+            raise_commit_block(self._geometry, target, -refused, staged, padded_requests,
+                               counts, starts, table, inherited)
         self._forward_mode = MTPForwardMode.COMMIT
         self.last_forward = ForwardRecord("commit", gpu_view, int(total), padded_tokens,
                                           staged, padded_requests,
@@ -544,59 +552,6 @@ class MTPMetadata(MetadataState, CapturedLoop):
         max_len = max(int(max_len), 1)  # upstream floors an empty forward at 1
         return self._memo.shape(int(total), padded_tokens, staged, padded_requests,
                                 max_len, max_len)
-
-    # -------------------------------------------------------------------- writers
-    def write_token_maps(self, gpu_view: Any, rows: Tensor, positions: Tensor,
-                         block_table: Tensor, padded_token_count: int,
-                         inherited_blocks: Optional[Tensor] = None) -> None:
-        """Write the per-token KV destination maps for ``T = len(positions)`` tokens.
-
-        ``col = positions // BS``; block ``D`` when ``col < inherited_blocks[rows]``,
-        else ``block_table[rows, col]``; local ``positions % BS``; request ``rows``;
-        both position fields ``positions``. Pad rows ``[T, padded_token_count)`` get
-        block ``D`` and local 0 and nothing else. rows, positions: int [T];
-        block_table: int [B, >= cols]; inherited_blocks: int [> max(rows)], each in
-        ``[0, max_kv_block_count]``, refused when it is ``request_matched_prefix_blocks``
-        from row 0 while ``draft_annotation_offset`` is non-zero (pass the active slice). On the host every block a token writes (one not
-        redirected to ``D``) must be ``>= 0`` and fit ``gpu_view.token_to_block_idx``;
-        device tensors (mirror path) are not value-checked (a sync): a block column
-        outside the table sends the token to ``D``, a block id is converted as torch
-        converts it.
-        """
-        backend = self._require("write_token_maps")
-        if self.draft_annotation_offset and inherited_blocks is not None:
-            refuse_whole_annotations("write_token_maps", inherited_blocks,
-                                     self._buffers.request_matched_prefix_blocks,
-                                     self.draft_annotation_offset)
-        target = self._memo.target(gpu_view)
-        rows, positions, table, inherited, count, padded, on_device = check_token_inputs(
-            self._geometry, target, rows, positions, block_table, padded_token_count,
-            inherited_blocks)
-        (backend.write_token_maps_device if on_device else backend.write_token_maps)(
-            target, rows, positions, table, inherited, padded)
-        self.last_forward = ForwardRecord("tokens", gpu_view, count, padded, 0, 0,
-                                          self._record_inherited(inherited),
-                                          table if on_device else None)
-
-    def write_mha_metadata(self, gpu_view: Any, query_lengths: Tensor, kv_lengths: Tensor,
-                           block_table: Tensor, padded_request_count: int) -> None:
-        """Write the per-request MHA read metadata for ``n = len(query_lengths)``.
-
-        Lengths and running sums for slots ``< n``; block rows ``< B`` from
-        ``block_table`` and ``[B, n)`` all ``D``; padded slots ``[n,
-        padded_request_count)`` get zero lengths, flat sums and -1 rows.
-        ``kv_lengths`` may be the very same tensor as ``query_lengths``. Host block
-        tables must fit ``gpu_view.mha_block_table``'s dtype (``-1`` entries are fine);
-        device tensors are not value-checked.
-        """
-        backend = self._require("write_mha_metadata")
-        target = self._memo.target(gpu_view)
-        q, kv, table, count, padded, on_device = check_mha_inputs(
-            self._geometry, target, query_lengths, kv_lengths, block_table,
-            padded_request_count)
-        (backend.write_mha_metadata_device if on_device else backend.write_mha_metadata)(
-            target, q, kv, count, table, padded)
-        self.last_forward = ForwardRecord("mha", gpu_view, 0, 0, count, padded)
 
     # ----------------------------------------------------------------- debugging
     def check_invariants(self, gpu_view: Any = None) -> None:

@@ -31,9 +31,10 @@ that allocated them on another stream may free them at once.
 
 Inputs that are already device tensors take ``DeviceRoute`` (``mirror_device.py``).
 
-Table reuse: a commit pass takes its leading table rows ``[:min(P, n)]``
-device-to-device, as a draft depth takes its table, when they equal the rows that draft
-loop staged (compared on the host against ``host_block_table``), but from
+Table reuse: a commit pass takes its leading table rows device-to-device, as a draft
+depth takes its table: the longest prefix of ``[:min(P, n)]`` equal to the rows that
+draft loop staged (compared on the host against ``host_block_table``; the rest are
+copied, so each row is compared or copied, one pass per table), but from
 ``_reuse_table``, a private device copy that no public name aliases: begin_decode's H2D
 copy lands there and one device-to-device copy fills ``block_table[:n]`` from it (3 data
 ops per begin; 15 per standard step, advances included), so no write into the persistent
@@ -170,14 +171,14 @@ class MirrorBackend(ForwardStaging):
         """Stage the draft loop; False (nothing written) when a start position is
         negative or past the block table."""
         self.refuse_capture("begin_decode")
-        if not native.staging.offsets_in_table(start_positions, count, self.block_size,
+        if not native.draft_state.offsets_in_table(start_positions, count, self.block_size,
                                                self.host_block_table.shape[1]):
             return False  # checked before a slot is taken: nothing written
         self.host_offsets_known = True
         ring = self._begin_ring
         slot = ring.acquire()
         head_np, table_np = self._begin_arrays[slot]
-        native.staging.copy_decode_inputs(start_positions, table_src, count,
+        native.draft_state.copy_decode_inputs(start_positions, table_src, count,
                                           self.block_size, head_np[1:], table_np)
         # The device count too, in the same copy: a graph captured with capture_setup
         # (contract §12) replayed after this begin masks rows [n, padded) as pad rows.
@@ -208,7 +209,7 @@ class MirrorBackend(ForwardStaging):
     def begin_decode_for_capture(self, count: int) -> None:
         self.refuse_capture("begin_decode_for_capture")
         self.host_block_table = self._own_block_table  # never a slot a copy may read
-        native.staging.fill_capture_state(self.host_offsets, self.host_block_table, count,
+        native.draft_state.fill_capture_state(self.host_offsets, self.host_block_table, count,
                                           self.dummy)
         self.host_offsets_known = True
         self._prefix("offsets", self.buffers.offsets, 0, count).zero_()
@@ -220,7 +221,7 @@ class MirrorBackend(ForwardStaging):
     def advance_decode_step(self, count: int) -> None:
         self.refuse_capture("advance_decode_step")
         self._prefix("offsets", self.buffers.offsets, 0, count).add_(1)
-        native.staging.advance_offsets(self.host_offsets, count)
+        native.draft_state.advance_offsets(self.host_offsets, count)
 
     def stage_decode_lengths(self, count: int) -> None:
         self.refuse_capture("stage_decode_lengths")
@@ -238,7 +239,7 @@ class MirrorBackend(ForwardStaging):
         if not self.host_offsets_known:
             self.device_route.decode_step(target, count, padded)
             return 0
-        if not native.staging.offsets_in_table(self.host_offsets, count, self.block_size,
+        if not native.draft_state.offsets_in_table(self.host_offsets, count, self.block_size,
                                                self.host_block_table.shape[1]):
             return -1  # checked before a slot is taken: nothing written, nothing staged
         # The shadow holds O(padded) data and no table: mha_block_table comes from the
@@ -253,7 +254,11 @@ class MirrorBackend(ForwardStaging):
             token_args, request_args = stage.args(slot)
         max_kv = native.staging.decode_step_maps(
             self.host_offsets, self.host_block_table, count, padded, self.block_size,
-            self.dummy, self._scratch_q, self._scratch_kv, *token_args, *request_args[:4])
+            self.dummy, target.token_block_range[1], self._scratch_q, self._scratch_kv,
+            *token_args, *request_args[:4])
+        if max_kv < 0:  # a bad written block: the kernel wrote nothing, nothing ships
+            self._forward_ring.release(slot)
+            return max_kv
         if stage is None:
             self._flush(target, slot, layout, padded, count, padded, "pair", count,
                         device_rows=count)
@@ -285,7 +290,8 @@ class MirrorBackend(ForwardStaging):
     def commit_pass(self, target: ViewTarget, counts: np.ndarray,
                     starts: Optional[np.ndarray], table: np.ndarray,
                     inherited: Optional[np.ndarray], padded_tokens: int, pad_tokens: int,
-                    min_padded_requests: int, padded_requests: int) -> Tuple[int, int, int]:
+                    min_padded_requests: int, padded_requests: int
+                    ) -> Tuple[int, int, int, int]:
         self.refuse_capture("setup_commit_pass")
         device_rows = self._rows_on_device(target, table, counts.shape[0], pad_tokens)
         stage = self._commit_stage(target)
@@ -299,8 +305,11 @@ class MirrorBackend(ForwardStaging):
         total, staged, padded_requests, max_len = native.staging.commit_pass(
             counts, *kernel_optional(starts), table, *kernel_optional(inherited),
             padded_tokens, pad_tokens, self.max_requests, min_padded_requests,
-            self.block_size, self.dummy, device_rows, self._scratch_q, *token_args,
-            *request_args)
+            self.block_size, self.dummy, device_rows, self.buffers.block_table.shape[1],
+            target.token_block_range[1], self._scratch_q, *token_args, *request_args)
+        if total < 0:  # a bad written block: the kernel wrote nothing, nothing ships
+            self._forward_ring.release(slot)
+            return total, staged, padded_requests, max_len
         if stage is None:
             self._flush(target, slot, layout, padded_tokens, total, padded_requests,
                         "query", staged, device_rows, reused=True)
@@ -308,25 +317,26 @@ class MirrorBackend(ForwardStaging):
             stage.flush(slot, padded_tokens, total, padded_requests, staged, device_rows)
             self._forward_ring.release(slot)
         self.reused_table_rows += device_rows
-        return staged, padded_requests, max_len
+        return total, staged, padded_requests, max_len
 
     def _rows_on_device(self, target: ViewTarget, table: np.ndarray, num_prefill: int,
                         pad_tokens: int) -> int:
         """How many leading rows of a commit pass's ``table`` [>= P, W] to place from
-        the private device table instead of the shadow: ``k = min(P, n)`` (n the
-        rows the last host-route ``begin_decode`` staged) when every one of them equals
-        the host copy of what the device holds (``rows_match``: compared, never
-        assumed), else 0. The row that absorbs a full batch's pad is cut back by the
-        kernel and never taken. The rows are placed from the private ``_reuse_table``,
-        which holds ``host_block_table[:n]`` whatever was written into the public
-        buffers since (no version counter needed).
+        the private device table instead of the shadow: the longest prefix of the
+        first ``min(P, n)`` rows (n the rows the last host-route ``begin_decode``
+        staged) that equals the host copy of what the device holds (``matching_rows``:
+        compared, never assumed). The kernel copies the rows after it, so each row is
+        compared or copied: one pass over the table. The row that absorbs a full
+        batch's pad is cut back by the kernel and never taken. The rows are placed
+        from the private ``_reuse_table``, which holds ``host_block_table[:n]``
+        whatever was written into the public buffers since (no version counter needed).
         """
         rows = min(num_prefill, self._device_table_rows)
         if pad_tokens > 0 and num_prefill == self.max_requests:
             rows = min(rows, num_prefill - 1)
         if rows <= 0 or target.width != self.host_block_table.shape[1]:
             return 0
-        return rows if native.staging.rows_match(table, self.host_block_table, rows) else 0
+        return native.draft_state.matching_rows(table, self.host_block_table, rows)
 
     # -------------------------------------------------------------------- writers
     def write_token_maps(self, target: ViewTarget, rows: np.ndarray,

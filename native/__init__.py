@@ -11,16 +11,16 @@ What the kernels check, and what they trust:
   ``checks.first_bad_token_block`` / ``first_bad_commit_block`` (a ``checks`` code
   beside the culprit) and ``first_bad_draft_block``,
   ``rows.first_row_outside`` / ``first_pair_outside``,
-  ``staging.offsets_in_table`` and ``staging.rows_match`` (bools),
-  ``staging.check_token_inputs`` and
-  ``staging.check_commit_inputs`` (a ``staging`` code such as ``NEGATIVE_POSITION``
+  ``draft_state.offsets_in_table`` (a bool), ``draft_state.matching_rows`` (a row count),
+  ``checks.check_token_inputs`` and
+  ``checks.check_commit_inputs`` (a ``staging`` code such as ``NEGATIVE_POSITION``
   beside the culprit's index). ``checks.min_max`` only reduces. The wrappers in
   ``mtpmeta`` turn a result into the ValueError/IndexError; the row scans are run by
   the row kernels themselves.
 * **Refusing writers** check their indices before the first write and, on a bad one,
   write nothing: ``rows.reset_rows`` / ``move_rows`` / ``swap_rows`` return the first
   row index outside ``[-R, R)`` (``K + i`` for ``dst[i]``) or -1 when done;
-  ``staging.copy_decode_inputs`` returns False and ``staging.decode_step`` -1 when an
+  ``draft_state.copy_decode_inputs`` returns False and ``staging.decode_step`` -1 when an
   offset is negative or its block column is ``>= W``.
 * **Everything else trusts its caller**: ``carry.*`` (``check_take`` returns a
   ``CARRY_*`` code for the state it is given), ``fill_capture_state``,
@@ -39,9 +39,11 @@ Modules:
     rows     -- request-row annotation lifecycle (reset, move, swap)
     carry    -- chunk-boundary carry state and its take check
     checks   -- bound scans used by the validating wrappers
-    staging  -- draft-loop and commit-pass staging, token maps, MHA metadata
+    draft_state -- the draft loop's host state: begin copy, capture fill, advances, and
+                   the rows of it a commit may reuse
+    staging  -- draft-depth and commit-pass staging, token maps, MHA metadata
 """
 
-from . import carry, checks, rows, staging
+from . import carry, checks, draft_state, rows, staging
 
-__all__ = ["carry", "checks", "rows", "staging"]
+__all__ = ["carry", "checks", "draft_state", "rows", "staging"]

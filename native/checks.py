@@ -54,10 +54,104 @@ def first_outside_closed(values, low, high):
     return -1
 
 
-# Codes of ``first_bad_token_block`` / ``first_bad_commit_block`` (culprit beside).
-BLOCKS_OK = 0
-INHERITED_OUT_OF_RANGE = 1  # an inherited count outside [0, W]
-BAD_WRITTEN_BLOCK = 2  # a written block that is negative or above ``high``
+# Codes of ``first_bad_token_block`` and ``staging.first_bad_commit_block`` (the two
+# block scans the staging kernels run first live in ``staging``: numba's on-disk cache
+# does not track other files).
+from .staging import (BAD_WRITTEN_BLOCK, BLOCKS_OK, INHERITED_OUT_OF_RANGE,  # noqa: E402,F401
+                      first_bad_commit_block)
+# Codes of ``check_token_inputs`` / ``check_commit_inputs`` below: defined with every
+# other kernel status code in ``staging``, the module ``mtpmeta.check_bounds`` decodes.
+from .staging import (BLOCK_COLUMN_TOO_LARGE, NEGATIVE_COUNT, NEGATIVE_POSITION,  # noqa: E402,F401
+                      ROW_OUT_OF_INHERITED, ROW_OUT_OF_TABLE, TOKENS_OK)
+
+
+@njit(cache=True)
+def check_token_inputs(rows, positions, num_table_rows, num_inherited, has_inherited,
+                       max_columns, block_size):
+    """Scan ``(rows, positions)`` [T] for the first bad token; return ``(code, t)``.
+
+    Codes: ROW_OUT_OF_TABLE (row not in [0, num_table_rows)), ROW_OUT_OF_INHERITED
+    (row >= num_inherited), NEGATIVE_POSITION, BLOCK_COLUMN_TOO_LARGE
+    (position // block_size >= max_columns); ``(TOKENS_OK, -1)`` when all are good.
+
+    >>> rows, positions = np.array([0, 1, 1]), np.array([3, 9, 16])  # block size 8
+    >>> check_token_inputs(rows, positions, 2, 0, False, 2, 8)  # 16 // 8 = 2 >= 2 columns
+    (4, 2)
+    >>> check_token_inputs(rows, positions, 2, 1, True, 2, 8)  # row 1 >= 1 inherited
+    (2, 1)
+    """
+    for t in range(positions.shape[0]):
+        row = rows[t]
+        if row < 0 or row >= num_table_rows:
+            return ROW_OUT_OF_TABLE, t
+        if has_inherited and row >= num_inherited:
+            return ROW_OUT_OF_INHERITED, t
+        position = np.int64(positions[t])
+        if position < 0:
+            return NEGATIVE_POSITION, t
+        if position // block_size >= max_columns:
+            return BLOCK_COLUMN_TOO_LARGE, t
+    return TOKENS_OK, -1
+
+
+@njit(cache=True)
+def check_commit_inputs(counts, starts, has_starts, max_columns, block_size):
+    """Scan a commit pass's per-request spans; return ``(code, r, total, max_count)``.
+
+    Request ``r`` writes positions ``starts[r] .. starts[r] + counts[r] - 1`` (start 0
+    without starts). Codes: NEGATIVE_COUNT, NEGATIVE_POSITION (a negative start),
+    BLOCK_COLUMN_TOO_LARGE (its last position's column >= max_columns). ``total`` is
+    ``sum(counts)`` and ``max_count`` the largest count (both valid only when OK).
+
+    >>> counts = np.array([2, 1])  # block size 8, 2 columns: positions 0..15
+    >>> check_commit_inputs(counts, np.array([7, 3]), True, 2, 8)
+    (0, -1, 3, 2)
+    >>> check_commit_inputs(counts, np.array([15, 3]), True, 2, 8)  # 16 is in column 2
+    (4, 0, 0, 0)
+    """
+    total = 0
+    max_count = 0
+    for r in range(counts.shape[0]):
+        count = np.int64(counts[r])
+        if count < 0:
+            return NEGATIVE_COUNT, r, 0, 0
+        start = np.int64(starts[r]) if has_starts else np.int64(0)
+        if start < 0:
+            return NEGATIVE_POSITION, r, 0, 0
+        # Bound start and count before adding them, so the sum cannot wrap in int64.
+        limit = np.int64(max_columns) * block_size
+        if count > 0 and (start >= limit or count > limit
+                          or (start + count - 1) // block_size >= max_columns):
+            return BLOCK_COLUMN_TOO_LARGE, r, 0, 0
+        total += count
+        if count > max_count:
+            max_count = count
+    return TOKENS_OK, -1, total, max_count
+
+
+@njit(cache=True)
+def first_bad_draft_block(offsets, block_table, count, block_size, high):
+    """One draft depth's written blocks: the first row ``i < count`` whose block
+    ``block_table[i, offsets[i] // BS]`` is negative (an unallocated block) or above
+    ``high``, else -1. Offsets outside the table are skipped (the depth's own check
+    refuses them). offsets: int32 [>= count]; block_table: int [>= count, W].
+
+    >>> table = np.array([[3, -1], [-1, 4]])  # block size 8
+    >>> first_bad_draft_block(np.array([7, 8]), table, 2, 8, 127)
+    -1
+    >>> first_bad_draft_block(np.array([8, 8]), table, 2, 8, 127)  # row 0: column 1
+    0
+    """
+    width = block_table.shape[1]
+    for i in range(count):
+        position = np.int64(offsets[i])
+        column = position // block_size
+        if position < 0 or column >= width:
+            continue
+        block = block_table[i, column]
+        if block < 0 or block > high:
+            return i
+    return -1
 
 
 @njit(cache=True)
@@ -96,71 +190,3 @@ def first_bad_token_block(rows, positions, block_table, inherited, has_inherited
         if block < 0 or block > high:
             return BAD_WRITTEN_BLOCK, t
     return BLOCKS_OK, -1
-
-
-@njit(cache=True)
-def first_bad_commit_block(counts, starts, has_starts, block_table, inherited,
-                           has_inherited, block_size, width, high):
-    """``first_bad_token_block`` for a commit pass, by request: ``(code, r, column)``,
-    ``(BLOCKS_OK, -1, -1)`` when all are good. Request ``r`` writes positions
-    ``starts[r] .. starts[r] + counts[r] - 1`` (from 0 without starts); columns below
-    ``inherited[r]`` go to the dummy block. INHERITED_OUT_OF_RANGE: ``inherited[r]``
-    outside ``[0, width]``; BAD_WRITTEN_BLOCK: the block at ``[r, column]`` is written
-    and negative or above ``high``. Spans must already be in the table
-    (``check_commit_inputs``).
-
-    >>> table = np.array([[3, -1], [5, 6]])  # block size 8, width 2
-    >>> first_bad_commit_block(np.array([9, 2]), np.array([0, 3]), True, table,
-    ...                        np.zeros(1, np.int64), False, 8, 2, 127)
-    (2, 0, 1)
-    >>> first_bad_commit_block(np.array([9, 2]), np.array([0, 3]), True, table,
-    ...                        np.array([2, 0]), True, 8, 2, 127)
-    (0, -1, -1)
-    >>> first_bad_commit_block(np.array([9, 2]), np.array([0, 3]), True, table,
-    ...                        np.array([2, -1]), True, 8, 2, 127)
-    (1, 1, -1)
-    """
-    for r in range(counts.shape[0]):
-        protected = np.int64(0)
-        if has_inherited:
-            protected = np.int64(inherited[r])
-            if protected < 0 or protected > width:
-                return INHERITED_OUT_OF_RANGE, r, -1
-        count = np.int64(counts[r])
-        if count <= 0:
-            continue
-        start = np.int64(starts[r]) if has_starts else np.int64(0)
-        first = start // block_size
-        last = (start + count - 1) // block_size
-        if first < protected:
-            first = protected
-        for column in range(first, last + 1):
-            block = block_table[r, column]
-            if block < 0 or block > high:
-                return BAD_WRITTEN_BLOCK, r, column
-    return BLOCKS_OK, -1, -1
-
-
-@njit(cache=True)
-def first_bad_draft_block(offsets, block_table, count, block_size, high):
-    """One draft depth's written blocks: the first row ``i < count`` whose block
-    ``block_table[i, offsets[i] // BS]`` is negative (an unallocated block) or above
-    ``high``, else -1. Offsets outside the table are skipped (the depth's own check
-    refuses them). offsets: int32 [>= count]; block_table: int [>= count, W].
-
-    >>> table = np.array([[3, -1], [-1, 4]])  # block size 8
-    >>> first_bad_draft_block(np.array([7, 8]), table, 2, 8, 127)
-    -1
-    >>> first_bad_draft_block(np.array([8, 8]), table, 2, 8, 127)  # row 0: column 1
-    0
-    """
-    width = block_table.shape[1]
-    for i in range(count):
-        position = np.int64(offsets[i])
-        column = position // block_size
-        if position < 0 or column >= width:
-            continue
-        block = block_table[i, column]
-        if block < 0 or block > high:
-            return i
-    return -1

@@ -12,7 +12,7 @@ or of pinned staging buffers (mirror path); the kernels do not care which.
 import numpy as np
 from numba import njit
 
-# Codes of ``check_token_inputs`` / ``check_commit_inputs`` (index of the culprit beside).
+# Codes of ``checks.check_token_inputs`` / ``check_commit_inputs`` (culprit beside).
 TOKENS_OK = 0
 ROW_OUT_OF_TABLE = 1
 ROW_OUT_OF_INHERITED = 2
@@ -21,76 +21,13 @@ BLOCK_COLUMN_TOO_LARGE = 4
 NEGATIVE_COUNT = 5
 
 
+# Codes of ``first_bad_token_block`` / ``first_bad_commit_block`` (culprit beside).
+BLOCKS_OK = 0
+INHERITED_OUT_OF_RANGE = 1  # an inherited count outside [0, W]
+BAD_WRITTEN_BLOCK = 2  # a written block that is negative or above ``high``
+
+
 # --------------------------------------------------------------------------- draft loop
-@njit(cache=True)
-def offsets_in_table(offsets, count, block_size, width):
-    """True when every ``offsets[:count]`` is >= 0 and its block column ``< width``.
-
-    >>> offsets = np.array([0, 15, 16])  # block size 8: columns 0, 1, 2
-    >>> offsets_in_table(offsets, 2, 8, 2), offsets_in_table(offsets, 3, 8, 2)
-    (True, False)
-    """
-    for t in range(count):
-        position = np.int64(offsets[t])
-        if position < 0 or position // block_size >= width:
-            return False
-    return True
-
-
-@njit(cache=True)
-def copy_decode_inputs(start_positions, table_src, count, block_size, offsets,
-                       block_table):
-    """``offsets[:count] = start_positions[:count]``; ``block_table[:count] = table_src[:count]``.
-
-    Returns False and writes nothing when a start position is negative or its block
-    column is ``>= W`` (``offsets_in_table``); True after the copy.
-    start_positions: int [>= count]; table_src: int [>= count, W];
-    offsets: int32 [R]; block_table: int32/int64 [R, W].
-
-    >>> offsets, table = np.zeros(3, np.int32), np.zeros((3, 2), np.int32)
-    >>> src = np.array([[3, 4], [6, 7]])
-    >>> copy_decode_inputs(np.array([5, 9]), src, 2, 8, offsets, table)
-    True
-    >>> offsets.tolist(), table.tolist()
-    ([5, 9, 0], [[3, 4], [6, 7], [0, 0]])
-    >>> copy_decode_inputs(np.array([5, 16]), src, 2, 8, offsets, table)  # column 2 >= W
-    False
-    """
-    width = block_table.shape[1]
-    if not offsets_in_table(start_positions, count, block_size, width):
-        return False
-    for i in range(count):
-        offsets[i] = start_positions[i]
-        for col in range(width):
-            block_table[i, col] = table_src[i, col]
-    return True
-
-
-@njit(cache=True)
-def fill_capture_state(offsets, block_table, count, dummy):
-    """Scratch-only draft state: ``offsets[:count] = 0``, ``block_table[:count] = dummy``.
-
-    >>> offsets, table = np.array([5, 9, 4], np.int32), np.ones((3, 2), np.int32)
-    >>> fill_capture_state(offsets, table, 2, 99); offsets.tolist(), table.tolist()
-    ([0, 0, 4], [[99, 99], [99, 99], [1, 1]])
-    """
-    width = block_table.shape[1]
-    for i in range(count):
-        offsets[i] = 0
-        for col in range(width):
-            block_table[i, col] = dummy
-
-
-@njit(cache=True)
-def advance_offsets(offsets, count):
-    """``offsets[:count] += 1``. offsets: int32 [R].
-
-    >>> offsets = np.array([5, 9, 4], np.int32)
-    >>> advance_offsets(offsets, 2); offsets.tolist()
-    [6, 10, 4]
-    """
-    for i in range(count):
-        offsets[i] += 1
 
 
 @njit(cache=True)
@@ -116,33 +53,6 @@ def stage_decode_lengths(offsets, count, query_lengths, kv_lengths):
 
 
 # --------------------------------------------------------------------------- token maps
-@njit(cache=True)
-def check_token_inputs(rows, positions, num_table_rows, num_inherited, has_inherited,
-                       max_columns, block_size):
-    """Scan ``(rows, positions)`` [T] for the first bad token; return ``(code, t)``.
-
-    Codes: ROW_OUT_OF_TABLE (row not in [0, num_table_rows)), ROW_OUT_OF_INHERITED
-    (row >= num_inherited), NEGATIVE_POSITION, BLOCK_COLUMN_TOO_LARGE
-    (position // block_size >= max_columns); ``(TOKENS_OK, -1)`` when all are good.
-
-    >>> rows, positions = np.array([0, 1, 1]), np.array([3, 9, 16])  # block size 8
-    >>> check_token_inputs(rows, positions, 2, 0, False, 2, 8)  # 16 // 8 = 2 >= 2 columns
-    (4, 2)
-    >>> check_token_inputs(rows, positions, 2, 1, True, 2, 8)  # row 1 >= 1 inherited
-    (2, 1)
-    """
-    for t in range(positions.shape[0]):
-        row = rows[t]
-        if row < 0 or row >= num_table_rows:
-            return ROW_OUT_OF_TABLE, t
-        if has_inherited and row >= num_inherited:
-            return ROW_OUT_OF_INHERITED, t
-        position = np.int64(positions[t])
-        if position < 0:
-            return NEGATIVE_POSITION, t
-        if position // block_size >= max_columns:
-            return BLOCK_COLUMN_TOO_LARGE, t
-    return TOKENS_OK, -1
 
 
 @njit(cache=True, inline='always')
@@ -204,41 +114,6 @@ def write_token_maps(rows, positions, block_table, inherited, has_inherited, pad
 
 
 @njit(cache=True)
-def check_commit_inputs(counts, starts, has_starts, max_columns, block_size):
-    """Scan a commit pass's per-request spans; return ``(code, r, total, max_count)``.
-
-    Request ``r`` writes positions ``starts[r] .. starts[r] + counts[r] - 1`` (start 0
-    without starts). Codes: NEGATIVE_COUNT, NEGATIVE_POSITION (a negative start),
-    BLOCK_COLUMN_TOO_LARGE (its last position's column >= max_columns). ``total`` is
-    ``sum(counts)`` and ``max_count`` the largest count (both valid only when OK).
-
-    >>> counts = np.array([2, 1])  # block size 8, 2 columns: positions 0..15
-    >>> check_commit_inputs(counts, np.array([7, 3]), True, 2, 8)
-    (0, -1, 3, 2)
-    >>> check_commit_inputs(counts, np.array([15, 3]), True, 2, 8)  # 16 is in column 2
-    (4, 0, 0, 0)
-    """
-    total = 0
-    max_count = 0
-    for r in range(counts.shape[0]):
-        count = np.int64(counts[r])
-        if count < 0:
-            return NEGATIVE_COUNT, r, 0, 0
-        start = np.int64(starts[r]) if has_starts else np.int64(0)
-        if start < 0:
-            return NEGATIVE_POSITION, r, 0, 0
-        # Bound start and count before adding them, so the sum cannot wrap in int64.
-        limit = np.int64(max_columns) * block_size
-        if count > 0 and (start >= limit or count > limit
-                          or (start + count - 1) // block_size >= max_columns):
-            return BLOCK_COLUMN_TOO_LARGE, r, 0, 0
-        total += count
-        if count > max_count:
-            max_count = count
-    return TOKENS_OK, -1, total, max_count
-
-
-@njit(cache=True)
 def write_commit_token_maps(counts, starts, has_starts, block_table, inherited,
                             has_inherited, padded, block_size, dummy, pos_ids,
                             block_idx, local_pos, request_idx, position_in_request):
@@ -266,6 +141,49 @@ def write_commit_token_maps(counts, starts, has_starts, block_table, inherited,
             t += 1
     _pad_token_maps(t, padded, dummy, block_idx, local_pos)
     return t
+
+
+@njit(cache=True)
+def first_bad_commit_block(counts, starts, has_starts, block_table, inherited,
+                           has_inherited, block_size, width, high):
+    """``first_bad_token_block`` for a commit pass, by request: ``(code, r, column)``,
+    ``(BLOCKS_OK, -1, -1)`` when all are good. Request ``r`` writes positions
+    ``starts[r] .. starts[r] + counts[r] - 1`` (from 0 without starts); columns below
+    ``inherited[r]`` go to the dummy block. INHERITED_OUT_OF_RANGE: ``inherited[r]``
+    outside ``[0, width]``; BAD_WRITTEN_BLOCK: the block at ``[r, column]`` is written
+    and negative or above ``high``. Spans must already be in the table
+    (``check_commit_inputs``).
+
+    >>> table = np.array([[3, -1], [5, 6]])  # block size 8, width 2
+    >>> first_bad_commit_block(np.array([9, 2]), np.array([0, 3]), True, table,
+    ...                        np.zeros(1, np.int64), False, 8, 2, 127)
+    (2, 0, 1)
+    >>> first_bad_commit_block(np.array([9, 2]), np.array([0, 3]), True, table,
+    ...                        np.array([2, 0]), True, 8, 2, 127)
+    (0, -1, -1)
+    >>> first_bad_commit_block(np.array([9, 2]), np.array([0, 3]), True, table,
+    ...                        np.array([2, -1]), True, 8, 2, 127)
+    (1, 1, -1)
+    """
+    for r in range(counts.shape[0]):
+        protected = np.int64(0)
+        if has_inherited:
+            protected = np.int64(inherited[r])
+            if protected < 0 or protected > width:
+                return INHERITED_OUT_OF_RANGE, r, -1
+        count = np.int64(counts[r])
+        if count <= 0:
+            continue
+        start = np.int64(starts[r]) if has_starts else np.int64(0)
+        first = start // block_size
+        last = (start + count - 1) // block_size
+        if first < protected:
+            first = protected
+        for column in range(first, last + 1):
+            block = block_table[r, column]
+            if block < 0 or block > high:
+                return BAD_WRITTEN_BLOCK, r, column
+    return BLOCKS_OK, -1, -1
 
 
 # ------------------------------------------------------------------------ lengths / MHA
@@ -378,30 +296,6 @@ def write_mha_block_rows(block_table, num_table_rows, count, padded, dummy, firs
 
 
 @njit(cache=True)
-def rows_match(block_table, truth, count):
-    """True when ``block_table[i, c] == truth[i, c]`` (as integers) for every row
-    ``i < count`` and column ``c < W = truth.shape[1]``: the mirror path's test that the
-    persistent device table, whose host copy is ``truth``, already holds those rows.
-    Scans a row branch-free, so a mismatch stops the scan at the end of its row.
-    block_table: int [>= count, >= W]; truth: int [>= count, W].
-
-    >>> truth = np.array([[3, 4], [5, 6]], np.int32)
-    >>> rows_match(np.array([[3, 4], [5, 7]]), truth, 1), rows_match(truth, truth, 2)
-    (True, True)
-    >>> rows_match(np.array([[3, 4], [5, 7]]), truth, 2)
-    False
-    """
-    width = truth.shape[1]
-    for i in range(count):
-        differs = np.int64(0)
-        for col in range(width):
-            differs |= np.int64(block_table[i, col]) ^ np.int64(truth[i, col])
-        if differs != 0:
-            return False
-    return True
-
-
-@njit(cache=True)
 def write_mha_metadata(query_lengths, kv_lengths, count, block_table, num_table_rows,
                        padded, dummy, mha_query_lengths, mha_kv_seq_lengths,
                        mha_cu_query_seq_lengths, mha_cu_kv_seq_lengths, mha_block_table):
@@ -432,8 +326,28 @@ def write_mha_metadata(query_lengths, kv_lengths, count, block_table, num_table_
 
 
 # ----------------------------------------------------------------------- fused forwards
+@njit(cache=True, inline='always')
+def _draft_rows_status(offsets, block_table, count, block_size, high):
+    """One scan of a draft depth's rows: ``-2 - i`` for the first row ``i`` whose
+    written block is negative or above ``high`` (rows with a bad offset skipped, as
+    ``first_bad_draft_block``), else -1 when an offset is negative or past the table
+    (``offsets_in_table``), else 0."""
+    width = block_table.shape[1]
+    status = 0
+    for i in range(count):
+        position = np.int64(offsets[i])
+        column = position // block_size
+        if position < 0 or column >= width:
+            status = -1
+            continue
+        block = block_table[i, column]
+        if block < 0 or block > high:
+            return -2 - i
+    return status
+
+
 @njit(cache=True)
-def decode_step_maps(offsets, block_table, count, padded, block_size, dummy,
+def decode_step_maps(offsets, block_table, count, padded, block_size, dummy, high,
                      query_lengths, kv_lengths, pos_ids, block_idx, local_pos, request_idx,
                      position_in_request, mha_query_lengths, mha_kv_seq_lengths,
                      mha_cu_query_seq_lengths, mha_cu_kv_seq_lengths):
@@ -441,8 +355,10 @@ def decode_step_maps(offsets, block_table, count, padded, block_size, dummy,
     ``offsets[:n]`` through ``block_table[:n]`` padded to ``padded``, the decode
     lengths, and the MHA lengths and sums padded to ``padded``. O(padded) work, whatever
     the table's width: ``block_table`` is read once per token. Returns the largest KV
-    length, or -1 without writing anything when an offset is negative or past the
-    table (``offsets_in_table``).
+    length; without writing anything, ``-2 - i`` when row ``i``'s written block is
+    negative (unallocated) or above ``high`` (``first_bad_draft_block``, the first such
+    row), else -1 when an offset is negative or past the table (``offsets_in_table``).
+    Both refusals are found in one scan of the offsets, before the first write.
 
     offsets: int32 [R]; block_table: [R, W]; query/kv lengths: int32 [R]; the five token
     outputs as in ``write_token_maps``, the four length outputs as in
@@ -452,13 +368,16 @@ def decode_step_maps(offsets, block_table, count, padded, block_size, dummy,
     >>> tokens = [np.zeros(4, np.int64)] + [np.zeros(4, np.int32) for _ in range(4)]
     >>> mha = [np.zeros(n, np.int32) for n in (3, 3, 4, 4)]
     >>> offsets, table = np.array([5, 11, 0], np.int32), np.array([[3, 4], [5, 6], [0, 0]])
-    >>> decode_step_maps(offsets, table, 2, 3, 8, 99, *lengths, *tokens, *mha)
+    >>> decode_step_maps(offsets, table, 2, 3, 8, 99, 127, *lengths, *tokens, *mha)
     12
     >>> tokens[1].tolist(), tokens[2].tolist(), mha[3].tolist()  # block, local, cu_kv
     ([3, 6, 99, 0], [5, 3, 0, 0], [0, 6, 18, 18])
+    >>> decode_step_maps(offsets, table, 2, 3, 8, 99, 5, *lengths, *tokens, *mha)  # 6 > 5
+    -3
     """
-    if not offsets_in_table(offsets, count, block_size, block_table.shape[1]):
-        return -1
+    status = _draft_rows_status(offsets, block_table, count, block_size, high)
+    if status < 0:
+        return status
     for t in range(count):
         _write_token(t, t, np.int64(offsets[t]), 0, block_table, block_size, dummy, pos_ids,
                      block_idx, local_pos, request_idx, position_in_request)
@@ -471,13 +390,13 @@ def decode_step_maps(offsets, block_table, count, padded, block_size, dummy,
 
 
 @njit(cache=True)
-def decode_step(offsets, block_table, count, padded, block_size, dummy, query_lengths,
-                kv_lengths, pos_ids, block_idx, local_pos, request_idx,
+def decode_step(offsets, block_table, count, padded, block_size, dummy, high,
+                query_lengths, kv_lengths, pos_ids, block_idx, local_pos, request_idx,
                 position_in_request, mha_query_lengths, mha_kv_seq_lengths, mha_cu_query_seq_lengths,
                 mha_cu_kv_seq_lengths, mha_block_table):
     """One draft depth in one call: ``decode_step_maps`` plus the MHA block table
     (``block_table[:n]``, then -1 rows to ``padded``). Returns the largest KV length, or
-    -1 without writing anything when an offset is negative or past the table.
+    a refusal of ``decode_step_maps`` (-1, ``-2 - i``) without writing anything.
 
     offsets: int32 [R]; block_table: [R, W]; query/kv lengths: int32 [R]; the ten view
     outputs as in ``write_token_maps`` / ``write_mha_metadata``.
@@ -486,12 +405,12 @@ def decode_step(offsets, block_table, count, padded, block_size, dummy, query_le
     >>> tokens = [np.zeros(4, np.int64)] + [np.zeros(4, np.int32) for _ in range(4)]
     >>> mha = [np.zeros(n, np.int32) for n in (3, 3, 4, 4)] + [np.zeros((3, 2), np.int32)]
     >>> offsets, table = np.array([5, 11, 0], np.int32), np.array([[3, 4], [5, 6], [0, 0]])
-    >>> decode_step(offsets, table, 2, 3, 8, 99, *lengths, *tokens, *mha)
+    >>> decode_step(offsets, table, 2, 3, 8, 99, 127, *lengths, *tokens, *mha)
     12
     >>> tokens[1].tolist(), tokens[2].tolist(), mha[3].tolist()  # block, local, cu_kv
     ([3, 6, 99, 0], [5, 3, 0, 0], [0, 6, 18, 18])
     """
-    max_kv = decode_step_maps(offsets, block_table, count, padded, block_size, dummy,
+    max_kv = decode_step_maps(offsets, block_table, count, padded, block_size, dummy, high,
                               query_lengths, kv_lengths, pos_ids, block_idx, local_pos,
                               request_idx, position_in_request, mha_query_lengths,
                               mha_kv_seq_lengths, mha_cu_query_seq_lengths,
@@ -523,8 +442,8 @@ def dummy_past_span(mha_block_table, row, span_end, block_size, dummy):
 @njit(cache=True)
 def commit_pass(counts, starts, has_starts, block_table, inherited, has_inherited,
                 padded_tokens, pad_tokens, max_requests, min_padded_requests, block_size,
-                dummy, first_table_row, lengths, pos_ids, block_idx, local_pos, request_idx,
-                position_in_request, mha_query_lengths, mha_kv_seq_lengths,
+                dummy, first_table_row, width, high, lengths, pos_ids, block_idx, local_pos,
+                request_idx, position_in_request, mha_query_lengths, mha_kv_seq_lengths,
                 mha_cu_query_seq_lengths, mha_cu_kv_seq_lengths, mha_block_table):
     """A whole varlen commit pass in one call; returns ``(T, m, padded_requests, max_len)``.
 
@@ -536,7 +455,16 @@ def commit_pass(counts, starts, has_starts, block_table, inherited, has_inherite
     not written and ``mha_block_table`` holds rows from ``first_table_row`` on
     (``write_mha_block_rows``); the caller keeps ``first_table_row <= P - 1`` when the
     last request absorbs the pad, and ``0`` means every row.
+
+    First, before anything is written, the blocks the tokens write are scanned
+    (``first_bad_commit_block`` with ``width`` and ``high``): on a bad one it returns
+    ``(-code, r, column, 0)`` and writes nothing.
     """
+    code, bad_request, bad_column = first_bad_commit_block(
+        counts, starts, has_starts, block_table, inherited, has_inherited, block_size,
+        width, high)
+    if code != BLOCKS_OK:
+        return -code, bad_request, bad_column, np.int64(0)
     num_prefill = counts.shape[0]
     total = write_commit_token_maps(counts, starts, has_starts, block_table, inherited,
                                     has_inherited, padded_tokens, block_size, dummy,

@@ -16,7 +16,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-# Codes of native.staging.check_token_inputs / check_commit_inputs, restated so that a
+# Codes of native.checks.check_token_inputs / check_commit_inputs, restated so that a
 # renumbering in the kernel module shows up as a failure.
 TOKENS_OK, ROW_OUT_OF_TABLE, ROW_OUT_OF_INHERITED = 0, 1, 2
 NEGATIVE_POSITION, BLOCK_COLUMN_TOO_LARGE, NEGATIVE_COUNT = 3, 4, 5
@@ -283,13 +283,17 @@ def mha_metadata(query_lengths: np.ndarray, kv_lengths: np.ndarray, count: int,
 
 
 def decode_step(offsets: np.ndarray, block_table: np.ndarray, count: int, padded: int,
-                block_size: int, dummy: int, query_lengths: np.ndarray,
+                block_size: int, dummy: int, high: int, query_lengths: np.ndarray,
                 kv_lengths: np.ndarray,
                 kernel_outputs: Sequence[np.ndarray]
                 ) -> Tuple[int, np.ndarray, np.ndarray, Arrays]:
-    """``(max_kv or -1, query_lengths, kv_lengths, the ten view outputs)``."""
-    if not offsets_in_table(offsets, count, block_size, block_table.shape[1]):
-        return -1, query_lengths.copy(), kv_lengths.copy(), [v.copy() for v in kernel_outputs]
+    """``(max_kv, query_lengths, kv_lengths, the ten view outputs)``; max_kv is
+    ``-2 - row`` for the first row writing a bad block, -1 for a bad offset."""
+    bad_row = first_bad_draft_block(offsets, block_table, count, block_size, high)
+    if bad_row >= 0 or not offsets_in_table(offsets, count, block_size,
+                                            block_table.shape[1]):
+        return (-2 - bad_row if bad_row >= 0 else -1), query_lengths.copy(), \
+            kv_lengths.copy(), [v.copy() for v in kernel_outputs]
     tokens = token_maps(np.arange(count), offsets[:count], block_table, None, padded,
                         block_size, dummy, kernel_outputs[:5])
     max_kv, q, kv = stage_decode_lengths(offsets, count, query_lengths, kv_lengths)
@@ -301,11 +305,17 @@ def commit_pass(counts: np.ndarray, starts: Optional[np.ndarray], block_table: n
                 inherited: Optional[np.ndarray], padded_tokens: int, pad_tokens: int,
                 max_requests: int, min_padded_requests: int, block_size: int, dummy: int,
                 lengths: np.ndarray, kernel_outputs: Sequence[np.ndarray],
-                first_table_row: int = 0
+                first_table_row: int = 0, width: int = 0, high: int = 2**62
                 ) -> Tuple[Tuple[int, int, int, int], np.ndarray, Arrays]:
     """``((T, m, padded_requests, max_len), lengths, the ten view outputs)``; with
     ``first_table_row`` the table output holds the full table's rows from there on,
-    shifted to row 0, and nothing else changes in it."""
+    shifted to row 0, and nothing else changes in it. A bad written block or inherited
+    count (``first_bad_commit_block`` with ``width``, ``high``) returns
+    ``((-code, r, column, 0), ...)`` with nothing changed."""
+    code, r, column = first_bad_commit_block(counts, starts, block_table, inherited,
+                                             block_size, width, high)
+    if code:
+        return (-code, r, column, 0), lengths.copy(), [v.copy() for v in kernel_outputs]
     rows, positions = commit_rows_positions(counts, starts)
     protected = None if inherited is None else inherited[:len(counts)]
     tokens = token_maps(rows, positions, block_table, protected, padded_tokens,
@@ -327,7 +337,10 @@ def commit_pass(counts: np.ndarray, starts: Optional[np.ndarray], block_table: n
     return (len(rows), staged, padded_requests, max_len), lengths, tokens + mha
 
 
-def rows_match(block_table: np.ndarray, truth: np.ndarray, count: int) -> bool:
+def matching_rows(block_table: np.ndarray, truth: np.ndarray, count: int) -> int:
     width = truth.shape[1]
-    return bool(np.array_equal(block_table[:count, :width].astype(np.int64),
-                               truth[:count].astype(np.int64)))
+    for i in range(count):
+        if not np.array_equal(block_table[i, :width].astype(np.int64),
+                              truth[i].astype(np.int64)):
+            return i
+    return count

@@ -117,9 +117,10 @@ def table_item(layout: str) -> int:
 @given(data=st.data())
 def test_commit_rows_come_from_the_device_table_exactly_when_they_match(layout, data):
     """After a draft loop on table T, a commit pass on P rows: the view is the
-    reference's, and its H2D bytes are a never-drafted twin's minus ``k`` table rows,
-    ``k = min(P, n)`` (never the row that absorbs a full batch's pad), when rows
-    ``[:k]`` of its table equal T's, and the twin's own bytes when any entry differs."""
+    reference's, and its H2D bytes are a never-drafted twin's minus ``k`` table rows:
+    of the first ``min(P, n)`` rows (never the row that absorbs a full batch's pad),
+    the ones before the first row with an entry that differs from T's (issue 24 item 3:
+    the longest matching prefix, no longer all or nothing)."""
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="seed"))
     count = data.draw(st.integers(1, R), label="n")
     num_prefill = data.draw(st.integers(1, R), label="P")
@@ -140,7 +141,7 @@ def test_commit_rows_come_from_the_device_table_exactly_when_they_match(layout, 
     counts, commit_starts, padded = commit_inputs(rng, num_prefill, pad)
     got = pair.commit(counts, commit_table, commit_starts, padded)
     full = twin.commit(counts, commit_table, commit_starts, padded)
-    reused = rows if change is None and rows > 0 else 0
+    reused = max(rows, 0) if change is None else change[0]
     assert got == full - reused * W * table_item(layout)
     assert (pair.reused, twin.reused) == (reused, 0)
 
@@ -226,7 +227,8 @@ def test_a_full_batch_commit_with_pad_writes_the_direct_paths_bytes(seed):
 
 def test_inference_mode_buffers_still_take_the_device_rows():
     """Buffers allocated under ``torch.inference_mode`` keep no version counter; the
-    row comparison alone still decides, and a changed entry still turns it off."""
+    row comparison alone still decides, and a changed entry in row 4 stops the reuse
+    there (rows 0-3 still come from the device)."""
     rng = np.random.default_rng(2)
     table = random_table(rng)
     starts = host(rng.integers(0, W * BS - 4, size=R).astype(np.int32))
@@ -240,8 +242,8 @@ def test_inference_mode_buffers_still_take_the_device_rows():
         assert pair.reused == 5
         changed = table.clone()
         changed[4, W - 1] += R * W
-        assert pair.commit(counts, changed, commit_starts, padded) == full
-        assert pair.reused == 5
+        assert pair.commit(counts, changed, commit_starts, padded) == full - 4 * W * 4
+        assert pair.reused == 5 + 4
 
 
 def test_capture_begin_rows_of_dummy_are_device_rows_too():
@@ -391,3 +393,58 @@ def test_unordered_streams_let_the_next_begin_overwrite_the_rows_read(make_sim,
     monkeypatch.setattr(StreamOrder, "enter", lambda self: None)
     assert sum(commits_between_begins_on_two_streams(make_sim(seed, idle=0.9), seed)
                for seed in range(4)) > 0
+
+
+class PassCounter:
+    """A test seam around the two host passes over a commit's table: the rows
+    ``native.draft_state.matching_rows`` compares (its count, stopping after the first row
+    that differs) and the rows the ``native.staging.commit_pass`` right after it copies
+    (``[first:P]``); the passes of the other sides (no comparison) are not counted."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from mtpmeta import native
+        self.compared = self.copied = self.both = 0
+        match, commit = native.draft_state.matching_rows, native.staging.commit_pass
+
+        def matching_rows(table, truth, count):
+            k = match(table, truth, count)
+            self.compared += min(k + 1, count)
+            self.last_match = (k, count)
+            return k
+
+        def commit_pass(counts, *args):
+            if self.last_match is not None:  # the pass whose rows were just compared
+                first = args[11]  # first_table_row
+                self.copied += counts.shape[0] - first
+                k, count = self.last_match
+                self.both += k < count and first == k  # row k: compared, then copied
+                self.last_match = None
+            return commit(counts, *args)
+
+        self.last_match: Optional[Tuple[int, int]] = None
+        monkeypatch.setattr(native.draft_state, "matching_rows", matching_rows)
+        monkeypatch.setattr(native.staging, "commit_pass", commit_pass)
+
+
+@pytest.mark.parametrize("first_changed", [0, 1, 3, 5])
+def test_a_commit_reuses_exactly_its_matching_leading_rows(monkeypatch, first_changed):
+    """issue 24 item 3: after a draft loop on T (n = 7), a commit on P = 9 rows whose
+    row ``k`` differs from T's (and later rows too) takes exactly rows ``[:k]`` from the
+    device, ships the rest, and writes the direct path's and the reference's bytes. Each
+    of the P rows is compared or copied; only row k is both (one pass per table)."""
+    rng = np.random.default_rng(first_changed)
+    table = random_table(rng)
+    starts = host(rng.integers(0, W * BS - 4, size=R).astype(np.int32))
+    pair, twin = Pair(direct=True), Pair()
+    pair.draft_loop(6, starts, table)
+    commit_table = table.clone()
+    commit_table[first_changed, W - 1] += R * W
+    commit_table[first_changed + 1, 0] += R * W
+    counts, commit_starts, padded = commit_inputs(rng, 7, 2)
+    passes = PassCounter(monkeypatch)
+    got = pair.commit(counts, commit_table, commit_starts, padded)
+    assert pair.reused == first_changed
+    assert got == twin.commit(counts, commit_table, commit_starts, padded) \
+        - first_changed * W * 4
+    assert passes.compared + passes.copied == 7 + 1
+    assert passes.both == 1

@@ -24,7 +24,8 @@ from tests import naive
 CASES = 40  # random cases per test: enough to hit every branch, cheap under JIT-off
 DUMMY = 7777  # never a table entry, so a dummy write cannot pass for a table read
 INDEX_DTYPES = (np.int32, np.int64)
-NATIVE_MODULES = (native.rows, native.carry, native.checks, native.staging)
+NATIVE_MODULES = (native.rows, native.carry, native.checks, native.draft_state,
+                  native.staging)
 # Public kernels without an example of their own, and where they are shown instead.
 WITHOUT_EXAMPLE = {
     "mtpmeta.native.carry.invalidate": "walked through in check_take's example",
@@ -222,22 +223,22 @@ def test_draft_loop_kernels_match_naive(rng):
         table_src = block_table(rng, num_rows, width).astype(table.dtype)
 
         got_offsets, got_table = offsets.copy(), table.copy()
-        ok = native.staging.copy_decode_inputs(starts, table_src, count, block_size,
+        ok = native.draft_state.copy_decode_inputs(starts, table_src, count, block_size,
                                                got_offsets, got_table)
         want_ok, want_offsets, want_table = naive.copy_decode_inputs(
             starts, table_src, count, block_size, offsets, table)
-        assert ok == want_ok == native.staging.offsets_in_table(starts, count, block_size,
+        assert ok == want_ok == native.draft_state.offsets_in_table(starts, count, block_size,
                                                                 width)
         assert_same([got_offsets, got_table], [want_offsets, want_table])
         accepted += ok
         refused += not ok
 
-        native.staging.fill_capture_state(got_offsets, got_table, count, DUMMY)
+        native.draft_state.fill_capture_state(got_offsets, got_table, count, DUMMY)
         assert_same([got_offsets, got_table],
                     naive.fill_capture_state(want_offsets, want_table, count, DUMMY))
 
         advanced = offsets.copy()
-        native.staging.advance_offsets(advanced, count)
+        native.draft_state.advance_offsets(advanced, count)
         assert_same([advanced], [naive.advance_offsets(offsets, count)])
 
         q, kv = garbage(rng, num_rows, np.int32), garbage(rng, num_rows, np.int32)
@@ -259,7 +260,16 @@ def decode_case(rng: np.random.Generator):
     table = block_table(rng, num_rows, width)
     q, kv = garbage(rng, num_rows, np.int32), garbage(rng, num_rows, np.int32)
     view = token_outputs(rng, padded + 2) + mha_outputs(rng, padded + 1, width)
-    return offsets, table, count, padded, block_size, q, kv, view
+    return offsets, table, count, padded, block_size, q, kv, view, block_high(rng, table)
+
+
+def block_high(rng: np.random.Generator, table: np.ndarray) -> int:
+    """The largest block id a kernel may write: mostly above every entry of ``table``,
+    in about one case in four a bound some entries exceed; in about one in eight an
+    entry is made negative (unallocated)."""
+    if rng.random() < 0.125:
+        table[rng.integers(table.shape[0]), rng.integers(table.shape[1])] = -1
+    return int(rng.integers(0, 500)) if rng.random() < 0.25 else 1000
 
 
 def test_decode_step_matches_naive_and_refuses_offsets_past_the_table(rng):
@@ -268,11 +278,11 @@ def test_decode_step_matches_naive_and_refuses_offsets_past_the_table(rng):
     or a partial write before an offset past the table is caught would corrupt KV."""
     accepted = refused = 0
     for _ in range(CASES):
-        offsets, table, count, padded, block_size, q, kv, view = decode_case(rng)
+        offsets, table, count, padded, block_size, q, kv, view, high = decode_case(rng)
         want_max, want_q, want_kv, want_view = naive.decode_step(
-            offsets, table, count, padded, block_size, DUMMY, q, kv, view)
+            offsets, table, count, padded, block_size, DUMMY, high, q, kv, view)
         got_max = native.staging.decode_step(offsets, table, count, padded, block_size,
-                                             DUMMY, q, kv, *view)
+                                             DUMMY, high, q, kv, *view)
         assert got_max == want_max
         assert_same([q, kv] + view, [want_q, want_kv] + want_view)
         refused += got_max < 0
@@ -287,12 +297,12 @@ def test_decode_step_maps_equals_decode_step_without_touching_a_table(rng):
     [padded, W] table back into every depth's pinned staging."""
     accepted = refused = 0
     for _ in range(CASES):
-        offsets, table, count, padded, block_size, q, kv, view = decode_case(rng)
+        offsets, table, count, padded, block_size, q, kv, view, high = decode_case(rng)
         want_max, want_q, want_kv, want_view = naive.decode_step(
-            offsets, table, count, padded, block_size, DUMMY, q, kv, view)
+            offsets, table, count, padded, block_size, DUMMY, high, q, kv, view)
         table_before = view[9].copy()
         got_max = native.staging.decode_step_maps(offsets, table, count, padded,
-                                                  block_size, DUMMY, q, kv, *view[:9])
+                                                  block_size, DUMMY, high, q, kv, *view[:9])
         assert got_max == want_max
         assert_same([q, kv] + view[:9], [want_q, want_kv] + want_view[:9])
         assert_same([view[9]], [table_before])
@@ -316,7 +326,7 @@ def test_token_input_scan_matches_naive(rng):
         positions = rng.integers(-2, width * block_size + 3, count).astype(dtype)
         num_inherited = int(rng.integers(0, num_table_rows + 1)) if rng.random() < 0.5 \
             else None
-        got = native.staging.check_token_inputs(
+        got = native.checks.check_token_inputs(
             rows, positions, num_table_rows, num_inherited or 0, num_inherited is not None,
             width, block_size)
         want = naive.check_token_inputs(rows, positions, num_table_rows, num_inherited,
@@ -378,7 +388,7 @@ def test_commit_input_scan_matches_naive_without_wrapping(rng):
             else np.int64
         counts = counts.astype(dtype)
         has_starts = bool(rng.random() < 0.7)
-        got = native.staging.check_commit_inputs(
+        got = native.checks.check_commit_inputs(
             counts, starts if has_starts else np.zeros(1, np.int64), has_starts, width,
             block_size)
         want = naive.check_commit_inputs(counts, starts if has_starts else None, width,
@@ -471,7 +481,7 @@ def test_commit_pass_matches_naive(has_starts, has_inherited, rng):
     over ``max(min_padded_requests, m)`` slots, table rows from ``first_table_row`` on.
     Any field off against the composed naive steps is a KV write or read in the wrong
     place."""
-    full_batches = shifted = 0
+    full_batches = shifted = refused = 0
     for _ in range(CASES):
         num_rows, width, block_size = geometry(rng)
         counts, starts, inherited = valid_commit(rng, num_rows, width, block_size)
@@ -481,6 +491,7 @@ def test_commit_pass_matches_naive(has_starts, has_inherited, rng):
         min_padded = int(rng.integers(0, num_rows + 1))
         slots = max(min_padded, num_prefill + 1)
         table = block_table(rng, num_rows, width)
+        high = block_high(rng, table)
         lengths = garbage(rng, num_rows + 1, np.int32)
         view = token_outputs(rng, padded_tokens + 2) + mha_outputs(rng, slots + 1, width)
         absorbs = num_prefill == num_rows and pad_tokens > 0
@@ -490,38 +501,41 @@ def test_commit_pass_matches_naive(has_starts, has_inherited, rng):
         want_result, want_lengths, want_view = naive.commit_pass(
             counts, starts if has_starts else None, table,
             inherited if has_inherited else None, padded_tokens, pad_tokens, num_rows,
-            min_padded, block_size, DUMMY, lengths, view, first_row)
+            min_padded, block_size, DUMMY, lengths, view, first_row, width, high)
         got_result = native.staging.commit_pass(
             counts, starts if has_starts else np.zeros(1, np.int64), has_starts, table,
             inherited if has_inherited else np.zeros(1, np.int64), has_inherited,
             padded_tokens, pad_tokens, num_rows, min_padded, block_size, DUMMY, first_row,
-            lengths, *view)
+            width, high, lengths, *view)
+        refused += got_result[0] < 0
         assert got_result == want_result
         assert_same([lengths] + view, [want_lengths] + want_view)
         full_batches += absorbs
         shifted += first_row > 0 and absorbs
-    assert full_batches and shifted
+    assert full_batches and shifted and refused
 
 
-def test_rows_match_matches_naive(rng):
-    """The mirror path places a commit's leading table rows from the device copy only
-    when this says every entry of them equals the host copy; a miss in any column
-    (including the last, or of a wider dtype's high bits) is a wrong block read."""
-    matches = 0
+def test_matching_rows_matches_naive(rng):
+    """The mirror path places a commit's leading ``k`` table rows from the device copy
+    when this says every entry of them equals the host copy, and stops at the first row
+    that differs; a miss in any column (including the last, or of a wider dtype's high
+    bits) is a wrong block read."""
+    full = partial = 0
     for _ in range(4 * CASES):
         num_rows, width, _ = geometry(rng)
         truth = block_table(rng, num_rows, width).astype(np.int32)
         table = np.concatenate([truth, rng.integers(0, 500, (num_rows, 2))], axis=1)
         table = table.astype(INDEX_DTYPES[int(rng.integers(2))])
-        if rng.random() < 0.6:
+        for _ in range(int(rng.integers(0, 3))):
             row, col = int(rng.integers(num_rows)), int(rng.integers(width))
             table[row, col] += (1 << 32) if table.dtype == np.int64 and rng.random() < .5 \
                 else 1
         count = int(rng.integers(0, num_rows + 1))
-        want = naive.rows_match(table, truth, count)
-        assert native.staging.rows_match(table, truth, count) is want
-        matches += want
-    assert 0 < matches < 4 * CASES
+        want = naive.matching_rows(table, truth, count)
+        assert native.draft_state.matching_rows(table, truth, count) == want
+        full += want == count
+        partial += 0 < want < count
+    assert full and partial
 
 
 # ------------------------------------------------------------------- docstring examples

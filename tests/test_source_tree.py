@@ -127,7 +127,7 @@ def test_gpu_tests_collect_without_hypothesis():
 
 
 # Modules over the house limit today, with their size: each may shrink, never grow.
-_LONG_MODULES = {"mtpmeta/metadata.py": 619, "native/staging.py": 557}
+_LONG_MODULES = {"mtpmeta/metadata.py": 574}
 _MODULE_LINES = 500
 
 

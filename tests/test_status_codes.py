@@ -15,9 +15,22 @@ from mtpmeta.check_bounds import CarryStatus, TokenStatus
 from tests import naive
 
 
+# The block-id scans' codes (``first_bad_token_block`` / ``first_bad_commit_block``),
+# defined beside the token codes in ``staging``; ``mtpmeta.checks`` reads them by name.
+BLOCK_CODES = {"BLOCKS_OK": 0, "INHERITED_OUT_OF_RANGE": 1, "BAD_WRITTEN_BLOCK": 2}
+
+
 def _int_constants(module):
     return {name: value for name, value in vars(module).items()
-            if name.isupper() and type(value) is int}
+            if name.isupper() and type(value) is int and name not in BLOCK_CODES}
+
+
+def test_the_block_scan_codes_are_ok_zero_and_distinct():
+    """The block scans' codes: OK is the only falsy one (the callers test ``if code:``)
+    and ``native.checks`` re-exports the very values ``staging`` defines."""
+    for name, value in BLOCK_CODES.items():
+        assert getattr(native.staging, name) == value, name
+        assert getattr(native.checks, name) == value, name
 
 
 @pytest.mark.parametrize("enum,module,native_name", [

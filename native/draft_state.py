@@ -1,0 +1,109 @@
+"""The draft loop's host state: the begin's checked copy of start positions and table
+rows, the capture fill, the advances, and how many leading rows of a commit pass's
+table equal that state (the rows a commit may take from the device).
+
+Shapes: ``R`` max requests, ``W`` block-table width; offsets ``[R]`` int32, tables
+``[R, W]`` (``[>= n, W]`` for a caller's). Leaf kernels: none calls another file's
+kernel (numba's on-disk cache does not track other files). ``staging`` holds the
+kernels that write token maps and MHA metadata.
+"""
+
+import numpy as np
+from numba import njit
+
+
+@njit(cache=True)
+def offsets_in_table(offsets, count, block_size, width):
+    """True when every ``offsets[:count]`` is >= 0 and its block column ``< width``.
+
+    >>> offsets = np.array([0, 15, 16])  # block size 8: columns 0, 1, 2
+    >>> offsets_in_table(offsets, 2, 8, 2), offsets_in_table(offsets, 3, 8, 2)
+    (True, False)
+    """
+    for t in range(count):
+        position = np.int64(offsets[t])
+        if position < 0 or position // block_size >= width:
+            return False
+    return True
+
+
+@njit(cache=True)
+def copy_decode_inputs(start_positions, table_src, count, block_size, offsets,
+                       block_table):
+    """``offsets[:count] = start_positions[:count]``; ``block_table[:count] = table_src[:count]``.
+
+    Returns False and writes nothing when a start position is negative or its block
+    column is ``>= W`` (``offsets_in_table``); True after the copy.
+    start_positions: int [>= count]; table_src: int [>= count, W];
+    offsets: int32 [R]; block_table: int32/int64 [R, W].
+
+    >>> offsets, table = np.zeros(3, np.int32), np.zeros((3, 2), np.int32)
+    >>> src = np.array([[3, 4], [6, 7]])
+    >>> copy_decode_inputs(np.array([5, 9]), src, 2, 8, offsets, table)
+    True
+    >>> offsets.tolist(), table.tolist()
+    ([5, 9, 0], [[3, 4], [6, 7], [0, 0]])
+    >>> copy_decode_inputs(np.array([5, 16]), src, 2, 8, offsets, table)  # column 2 >= W
+    False
+    """
+    width = block_table.shape[1]
+    if not offsets_in_table(start_positions, count, block_size, width):
+        return False
+    for i in range(count):
+        offsets[i] = start_positions[i]
+        for col in range(width):
+            block_table[i, col] = table_src[i, col]
+    return True
+
+
+@njit(cache=True)
+def fill_capture_state(offsets, block_table, count, dummy):
+    """Scratch-only draft state: ``offsets[:count] = 0``, ``block_table[:count] = dummy``.
+
+    >>> offsets, table = np.array([5, 9, 4], np.int32), np.ones((3, 2), np.int32)
+    >>> fill_capture_state(offsets, table, 2, 99); offsets.tolist(), table.tolist()
+    ([0, 0, 4], [[99, 99], [99, 99], [1, 1]])
+    """
+    width = block_table.shape[1]
+    for i in range(count):
+        offsets[i] = 0
+        for col in range(width):
+            block_table[i, col] = dummy
+
+
+@njit(cache=True)
+def advance_offsets(offsets, count):
+    """``offsets[:count] += 1``. offsets: int32 [R].
+
+    >>> offsets = np.array([5, 9, 4], np.int32)
+    >>> advance_offsets(offsets, 2); offsets.tolist()
+    [6, 10, 4]
+    """
+    for i in range(count):
+        offsets[i] += 1
+
+
+@njit(cache=True)
+def matching_rows(block_table, truth, count):
+    """The longest ``k <= count`` such that ``block_table[i, c] == truth[i, c]`` (as
+    integers) for every row ``i < k`` and column ``c < W = truth.shape[1]``: how many
+    leading rows of a commit pass's table the persistent device table, whose host copy
+    is ``truth``, already holds. The scan stops at the end of the first row that
+    differs (a row is scanned branch-free), so with the commit kernel copying rows
+    ``[k:]`` each row is compared or copied, and only row ``k`` both.
+    block_table: int [>= count, >= W]; truth: int [>= count, W].
+
+    >>> truth = np.array([[3, 4], [5, 6], [7, 8]], np.int32)
+    >>> matching_rows(np.array([[3, 4], [5, 7], [7, 8]]), truth, 3)
+    1
+    >>> matching_rows(truth, truth, 3), matching_rows(truth + 1, truth, 3)
+    (3, 0)
+    """
+    width = truth.shape[1]
+    for i in range(count):
+        differs = np.int64(0)
+        for col in range(width):
+            differs |= np.int64(block_table[i, col]) ^ np.int64(truth[i, col])
+        if differs != 0:
+            return i
+    return count

@@ -1,0 +1,30 @@
+"""issue 24 item 8: on the default route a standard step runs no separate block-id scan
+kernel: the draft depth's and the commit pass's written-block checks are part of their
+staging kernels (``native.staging.decode_step_maps`` / ``commit_pass``), which refuse
+before their first write (the refusals themselves: tests/test_bad_input.py,
+tests/test_user_mistakes.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mtpmeta import checks
+from mtpmeta.bench.variants import build
+from mtpmeta.bench.workload import StepConfig, make_steps, run_step
+
+
+def _scan_called(*args):
+    raise AssertionError("a separate block-scan kernel ran on the default route")
+
+
+@pytest.mark.parametrize("impl", ["direct", "mirror"])
+def test_a_standard_step_runs_no_separate_block_scan(monkeypatch, impl):
+    config = StepConfig(max_requests=16, block_columns=16, block_size=16, active=8,
+                        prefill_tokens=32, moves=2, swaps=1, resets=2)
+    meta, view = build(impl, config, torch.device("cpu"))
+    for name in ("_first_bad_draft_block", "_first_bad_token_block"):
+        monkeypatch.setattr(checks, name, _scan_called)
+    monkeypatch.setattr(checks, "_first_bad_commit_block", _scan_called, raising=False)
+    for inputs in make_steps(config, 2, seed=0):
+        run_step(meta, view, inputs, config)
