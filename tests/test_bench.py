@@ -134,6 +134,7 @@ def test_targets_flag_width_sweep_plot_writes_a_png(tmp_path, capsys, monkeypatc
     """``--width-sweep --plot`` used to ignore the width sweep and run (and draw) the
     batch sweep alone; now the PNG holds the width sweep, no batch sweep runs, and
     --targets prints each target under its note. Tiny widths and N keep it fast."""
+    pytest.importorskip("matplotlib")  # the plot extra; .ci/run installs it
     from mtpmeta.bench import sweep_width
 
     monkeypatch.setattr(sweep_width, "WIDTHS", (16, 32))
