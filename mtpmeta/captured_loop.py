@@ -23,7 +23,8 @@ checks stand in: every captured depth records the ids its view holds
 (``_captured_ids``, the narrowest range seen), and every later host-input
 ``begin_decode``, of either route (a graph may be replayed after a default-route
 begin too), refuses a table entry outside it; a depth on a view narrower than what its
-loop's begin checked scans that loop's host table first (``_loop_ids``). Device-input begins are not value-checked (that would be a sync).
+loop's begin checked scans that loop's host table first (``_loop_ids``). Device-input
+begins are not value-checked (that would be a sync).
 """
 
 from __future__ import annotations
