@@ -13,7 +13,6 @@ import torch
 from torch import Tensor
 
 from . import native
-from .check_bounds import refuse_whole_annotations
 from .checks import (check_allocate, check_begin_decode, check_carry,
                      check_commit_inputs, check_config, check_decode_counts,
                      check_decode_view, check_draft_blocks,
@@ -530,10 +529,7 @@ class MTPMetadata(MetadataState, CapturedLoop, ViewWriters):
         lengths [3, 5], request 1 reads row [1, D].
         """
         backend = self._require("setup_commit_pass")
-        if self.draft_annotation_offset and inherited_blocks is not None:
-            refuse_whole_annotations("setup_commit_pass", inherited_blocks,
-                                     self._buffers.request_matched_prefix_blocks,
-                                     self.draft_annotation_offset)
+        self._refuse_whole_annotations("setup_commit_pass", inherited_blocks)
         target = self._memo.target(gpu_view)
         (counts, starts, table, inherited, total, padded_tokens, pad, min_padded,
          padded_requests) = check_commit_inputs(

@@ -17,6 +17,7 @@ from torch import Tensor
 from .backend import Backend
 from .buffers import PersistentBuffers
 from .captured import CapturedRoute
+from .check_bounds import refuse_whole_annotations
 from .checks import Geometry, check_decode_counts
 from .inputs import dtype_range
 from .direct import DirectBackend
@@ -226,6 +227,15 @@ class MetadataState:
                                    "expected DRAFT (the draft loop ended; call "
                                    "begin_decode to start a new one)")
         return backend
+
+    def _refuse_whole_annotations(self, method: str, inherited_blocks: Any) -> None:
+        """While ``draft_annotation_offset`` is non-zero, refuse (``ValueError``,
+        nothing written) ``inherited_blocks`` that is the whole annotation buffer from
+        row 0 (``check_bounds.refuse_whole_annotations``); a no-op otherwise."""
+        if self.draft_annotation_offset and inherited_blocks is not None:
+            refuse_whole_annotations(method, inherited_blocks,
+                                     self._buffers.request_matched_prefix_blocks,
+                                     self.draft_annotation_offset)
 
     def _record_inherited(self, inherited: Any) -> Any:
         """A copy of a forward's inherited counts for ``check_invariants``, taken now:

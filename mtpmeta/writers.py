@@ -11,7 +11,6 @@ from typing import Any, Optional
 
 from torch import Tensor
 
-from .check_bounds import refuse_whole_annotations
 from .checks import check_mha_inputs, check_token_inputs
 from .types import ForwardRecord
 
@@ -40,10 +39,7 @@ class ViewWriters:
         converts it.
         """
         backend = self._require("write_token_maps")
-        if self.draft_annotation_offset and inherited_blocks is not None:
-            refuse_whole_annotations("write_token_maps", inherited_blocks,
-                                     self._buffers.request_matched_prefix_blocks,
-                                     self.draft_annotation_offset)
+        self._refuse_whole_annotations("write_token_maps", inherited_blocks)
         target = self._memo.target(gpu_view)
         rows, positions, table, inherited, count, padded, on_device = check_token_inputs(
             self._geometry, target, rows, positions, block_table, padded_token_count,
