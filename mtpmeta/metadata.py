@@ -283,7 +283,8 @@ class MTPMetadata(MetadataState, CapturedLoop, ViewWriters):
     # ---------------------------------------------------------------- draft loop
     def begin_decode(self, active_request_count: int, padded_count: int,
                      start_positions: Tensor, block_table_src: Tensor,
-                     graphed: bool, *, capture_setup: bool = False) -> None:
+                     graphed: bool, *, capture_setup: bool = False,
+                     block_counts: Any = None) -> None:
         """Stage the draft loop: copy (never alias) ``start_positions[:n]`` into
         ``offsets[:n]`` and ``block_table_src[:n]`` into ``block_table[:n]``; enter DRAFT.
 
@@ -312,6 +313,17 @@ class MTPMetadata(MetadataState, CapturedLoop, ViewWriters):
         does not fit is converted as torch's ``copy_`` converts it (``check_invariants``
         flags it afterwards); the host then has no copy of the offsets and
         ``ForwardShape.max_seqlen_k`` is None.
+
+        ``block_counts`` (opt-in, beyond upstream; contract §5 "Block counts"): host
+        ints ``[>= n]`` in ``[0, W]``, the blocks each row has (e.g. Megatron's
+        ``request_kv_block_counts``). Row ``i`` then uses only
+        ``block_table_src[i, :block_counts[i]]``: the columns past it are never read,
+        ``block_table[i]`` holds the dummy block ``D`` there, and a depth whose block
+        column is at or past the count is refused (a ``ValueError`` naming
+        ``block_counts``, nothing written). The mirror path then ships only the used
+        columns (a power-of-two bucket of the largest count). It needs a host table:
+        with a device-tensor ``block_table_src`` (or device counts) it is a
+        ``TypeError``.
         """
         backend = self._backend
         if backend is None:
@@ -319,11 +331,12 @@ class MTPMetadata(MetadataState, CapturedLoop, ViewWriters):
         if type(graphed) is not bool:
             graphed = check_flag(graphed, "graphed")
         geometry = self._geometry
-        count, padded, starts, table, on_device = check_begin_decode(
-            geometry, active_request_count, padded_count, start_positions, block_table_src)
+        count, padded, starts, table, on_device, used = check_begin_decode(
+            geometry, active_request_count, padded_count, start_positions, block_table_src,
+            block_counts)
         after = self.last_forward  # for check_invariants: the forward before the loop
         if capture_setup:
-            self._begin_captured(backend, count, padded, starts, table, on_device)
+            self._begin_captured(backend, count, padded, starts, table, on_device, used)
             self._unchecked_table = None
             self._loop_after = after
             return
@@ -332,8 +345,8 @@ class MTPMetadata(MetadataState, CapturedLoop, ViewWriters):
             self._unchecked_table = (table, count)  # for check_invariants only
         else:
             if self._captured_ids != geometry.table_range:  # a graph may replay after
-                self._check_begin_ids(table, count)  # this begin: ids its views hold
-            if not backend.begin_decode(count, starts, table):  # bad start: no write
+                self._check_begin_ids(table, count, used)  # this begin: ids views hold
+            if not backend.begin_decode(count, starts, table, used):  # bad start: no write
                 raise_position_error(geometry, "start_positions", starts, count)
             self._unchecked_table = None
         self._enter_checked(count, padded, graphed)
@@ -452,7 +465,8 @@ class MTPMetadata(MetadataState, CapturedLoop, ViewWriters):
         max_kv = backend.decode_step(target, count, padded, self.graphed)
         if max_kv < -1:  # the kernel found a bad written block and wrote nothing
             raise_draft_block(self._geometry, target, backend.host_offsets,
-                              backend.host_block_table, -2 - max_kv)
+                              backend.host_block_table, -2 - max_kv,
+                              backend.host_block_counts)
         if max_kv < 0:  # the kernel found a bad offset and wrote nothing
             raise_position_error(self._geometry, "active_offsets", backend.host_offsets,
                                  count)
@@ -494,7 +508,8 @@ class MTPMetadata(MetadataState, CapturedLoop, ViewWriters):
                           *, start_positions: Optional[Tensor] = None,
                           inherited_blocks: Optional[Tensor] = None,
                           padded_token_count: Optional[int] = None,
-                          padded_request_count: Optional[int] = None) -> ForwardShape:
+                          padded_request_count: Optional[int] = None,
+                          block_counts: Any = None) -> ForwardShape:
         """The whole varlen commit pass in one call; sets ``forward_mode = COMMIT``.
 
         Request ``r`` (row ``r`` of ``block_table``) writes ``append_counts[r]``
@@ -528,6 +543,15 @@ class MTPMetadata(MetadataState, CapturedLoop, ViewWriters):
         the dummy block (upstream copies the caller's row, -1 entries included).
         Example: BS 4, R 2, counts [3, 3], tables [[0, -1], [1, -1]], 8 tokens ->
         lengths [3, 5], request 1 reads row [1, D].
+
+        ``block_counts`` (opt-in, beyond upstream; contract §10 "Block counts"): host
+        ints ``[>= P]`` in ``[0, block_table width]``. Request ``r`` then uses only
+        ``block_table[r, :block_counts[r]]``: the columns past it are never read, its
+        ``mha_block_table`` row holds ``D`` there, and a token whose block column is at
+        or past the count is refused (a ``ValueError`` naming ``block_counts``, nothing
+        written). The shape and lengths are unchanged. The mirror path then ships only
+        the used columns; it needs a host ``block_table`` (a device one is a
+        ``TypeError``).
         """
         backend = self._require("setup_commit_pass")
         if self.draft_annotation_offset and inherited_blocks is not None:
@@ -536,12 +560,12 @@ class MTPMetadata(MetadataState, CapturedLoop, ViewWriters):
                                      self.draft_annotation_offset)
         target = self._memo.target(gpu_view)
         (counts, starts, table, inherited, total, padded_tokens, pad, min_padded,
-         padded_requests) = check_commit_inputs(
+         padded_requests, used) = check_commit_inputs(
             self._geometry, target, append_counts, block_table, start_positions,
-            inherited_blocks, padded_token_count, padded_request_count)
+            inherited_blocks, padded_token_count, padded_request_count, block_counts)
         refused, staged, padded_requests, max_len = backend.commit_pass(
             target, counts, starts, table, inherited, padded_tokens, pad, min_padded,
-            padded_requests)
+            padded_requests, used)
         if refused < 0:  # a bad written block or inherited count: nothing written
             raise_commit_block(self._geometry, target, -refused, staged, padded_requests,
                                counts, starts, table, inherited)

@@ -107,3 +107,77 @@ def matching_rows(block_table, truth, count):
         if differs != 0:
             return i
     return count
+
+
+@njit(cache=True)
+def copy_counted_inputs(start_positions, table_src, block_counts, count, block_size,
+                        dummy, offsets, block_table, counts_out):
+    """``copy_decode_inputs`` with the opt-in block counts: row ``i`` of
+    ``block_table`` takes ``table_src[i, :block_counts[i]]`` and ``dummy`` at and past
+    the count (``table_src`` is never read there); ``counts_out[:count]`` takes the
+    counts. Returns False and writes nothing on a bad start (``offsets_in_table``).
+    block_counts: int [>= count], each in ``[0, W]`` (checked by the caller).
+
+    >>> offsets, table, used = np.zeros(2, np.int32), np.zeros((2, 3), np.int32), \\
+    ...     np.zeros(2, np.int32)
+    >>> src = np.array([[3, 4, 5], [6, 7, 8]])
+    >>> copy_counted_inputs(np.array([1, 9]), src, np.array([1, 2]), 2, 8, 99, offsets,
+    ...                     table, used)
+    True
+    >>> table.tolist(), used.tolist()
+    ([[3, 99, 99], [6, 7, 99]], [1, 2])
+    """
+    width = block_table.shape[1]
+    if not offsets_in_table(start_positions, count, block_size, width):
+        return False
+    for i in range(count):
+        offsets[i] = start_positions[i]
+        used = np.int64(block_counts[i])
+        counts_out[i] = used
+        for col in range(used):
+            block_table[i, col] = table_src[i, col]
+        for col in range(used, width):
+            block_table[i, col] = dummy
+    return True
+
+
+@njit(cache=True)
+def stage_counted_inputs(start_positions, table_src, block_counts, count, block_size,
+                         dummy, offsets, truth, truth_widths, packed, counts_out):
+    """The mirror path's begin with block counts, one pass over the used columns:
+    ``offsets``/``counts_out`` as ``copy_counted_inputs``; ``packed`` [>= count, C]
+    (the pinned slot, ``C`` columns per row) takes row ``i``'s used entries and
+    ``dummy`` up to ``C``; the host truth ``truth`` [R, W] takes them too, and ``dummy``
+    only over ``[block_counts[i], truth_widths[i])``, the columns of row ``i`` that may
+    not hold it yet (``truth_widths[i]`` then becomes the count), so its rows hold the
+    dummy block past the counts at O(used) cost. Returns False and writes nothing on a
+    bad start. block_counts: int [>= count], each in ``[0, C]``.
+
+    >>> offsets, used, widths = np.zeros(2, np.int32), np.zeros(2, np.int32), \\
+    ...     np.array([3, 0], np.int32)
+    >>> truth, packed = np.array([[1, 1, 1], [99, 99, 99]]), np.zeros((2, 2), np.int64)
+    >>> stage_counted_inputs(np.array([1, 9]), np.array([[3, 4, 5], [6, 7, 8]]),
+    ...                      np.array([1, 2]), 2, 8, 99, offsets, truth, widths, packed,
+    ...                      used)
+    True
+    >>> truth.tolist(), packed.tolist(), widths.tolist()
+    ([[3, 99, 99], [6, 7, 99]], [[3, 99], [6, 7]], [1, 2])
+    """
+    width = truth.shape[1]
+    columns = packed.shape[1]
+    if not offsets_in_table(start_positions, count, block_size, width):
+        return False
+    for i in range(count):
+        offsets[i] = start_positions[i]
+        used = np.int64(block_counts[i])
+        counts_out[i] = used
+        for col in range(used):
+            value = table_src[i, col]
+            packed[i, col] = value
+            truth[i, col] = value
+        for col in range(used, columns):
+            packed[i, col] = dummy
+        for col in range(used, np.int64(truth_widths[i])):
+            truth[i, col] = dummy
+        truth_widths[i] = used
+    return True

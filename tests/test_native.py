@@ -281,8 +281,9 @@ def test_decode_step_matches_naive_and_refuses_offsets_past_the_table(rng):
         offsets, table, count, padded, block_size, q, kv, view, high = decode_case(rng)
         want_max, want_q, want_kv, want_view = naive.decode_step(
             offsets, table, count, padded, block_size, DUMMY, high, q, kv, view)
-        got_max = native.staging.decode_step(offsets, table, count, padded, block_size,
-                                             DUMMY, high, q, kv, *view)
+        full = np.full(max(count, 1), table.shape[1], np.int32)  # no block counts
+        got_max = native.staging.decode_step(offsets, table, full, count, padded,
+                                             block_size, DUMMY, high, q, kv, *view)
         assert got_max == want_max
         assert_same([q, kv] + view, [want_q, want_kv] + want_view)
         refused += got_max < 0
@@ -301,7 +302,8 @@ def test_decode_step_maps_equals_decode_step_without_touching_a_table(rng):
         want_max, want_q, want_kv, want_view = naive.decode_step(
             offsets, table, count, padded, block_size, DUMMY, high, q, kv, view)
         table_before = view[9].copy()
-        got_max = native.staging.decode_step_maps(offsets, table, count, padded,
+        full = np.full(max(count, 1), table.shape[1], np.int32)  # no block counts
+        got_max = native.staging.decode_step_maps(offsets, table, full, count, padded,
                                                   block_size, DUMMY, high, q, kv, *view[:9])
         assert got_max == want_max
         assert_same([q, kv] + view[:9], [want_q, want_kv] + want_view[:9])
@@ -506,7 +508,7 @@ def test_commit_pass_matches_naive(has_starts, has_inherited, rng):
             counts, starts if has_starts else np.zeros(1, np.int64), has_starts, table,
             inherited if has_inherited else np.zeros(1, np.int64), has_inherited,
             padded_tokens, pad_tokens, num_rows, min_padded, block_size, DUMMY, first_row,
-            width, high, lengths, *view)
+            width, high, np.zeros(1, np.int64), False, lengths, *view)
         refused += got_result[0] < 0
         assert got_result == want_result
         assert_same([lengths] + view, [want_lengths] + want_view)
