@@ -71,11 +71,11 @@ def raw_table(rng: np.random.Generator, counts: np.ndarray, width: int = W) -> n
 class Pair:
     """A library object on ``path`` and the reference, driven step by step."""
 
-    def __init__(self, path: str) -> None:
-        self.meta, self.view, self.recorder = build(path)
-        self.ref = ReferenceMTPMetadata(**KWARGS)
+    def __init__(self, path: str, width: int = W) -> None:
+        self.meta, self.view, self.recorder = build(path, max_kv_block_count=width)
+        self.ref = ReferenceMTPMetadata(**dict(KWARGS, max_kv_block_count=width))
         self.ref.allocate("cpu")
-        self.ref_view = ReferenceGPUView(R, TOKENS, W, "cpu")
+        self.ref_view = ReferenceGPUView(R, TOKENS, width, "cpu")
 
     def draft(self, n, padded, starts, table, counts, depths, use_counts):
         t = torch.from_numpy
@@ -126,18 +126,19 @@ def step_inputs(rng: np.random.Generator, depths: int, width: int = W, low: int 
     ``P`` at least ``low``. Positions stay in the first ``W`` columns."""
     n = int(rng.integers(low, R + 1))
     padded = int(rng.integers(n, R + 1))
-    starts = rng.integers(0, W * BS - depths, size=R).astype(np.int32)
+    reach = int(rng.choice([2 * BS, W * BS, width * BS]))  # short rows, long rows
+    starts = rng.integers(0, reach - depths, size=R).astype(np.int32)
     need = (starts + depths - 1) // BS + 1
-    counts = np.minimum(W, need + rng.integers(0, 3, size=R)).astype(np.int32)
+    counts = np.minimum(width, need + rng.integers(0, 3, size=R)).astype(np.int32)
     table = raw_table(rng, counts, width)
     num_prefill = int(rng.integers(low, R + 1))
     spans = rng.integers(0, 5, size=num_prefill).astype(np.int32)
-    commit_starts = np.array([rng.integers(0, W * BS - int(c)) if c else 0
+    commit_starts = np.array([rng.integers(0, reach - int(c)) if c else 0
                               for c in spans], dtype=np.int32)
     last = (commit_starts + np.maximum(spans, 1) - 1) // BS + 1
     commit_counts = counts.copy()
     commit_counts[:num_prefill] = np.minimum(
-        W, np.where(spans > 0, last, 0) + rng.integers(0, 3, size=num_prefill))
+        width, np.where(spans > 0, last, 0) + rng.integers(0, 3, size=num_prefill))
     commit_table = raw_table(rng, commit_counts, width)
     inherited = np.minimum(commit_counts[:num_prefill],
                            rng.integers(0, 3, size=num_prefill)).astype(np.int32)
@@ -149,21 +150,23 @@ def step_inputs(rng: np.random.Generator, depths: int, width: int = W, low: int 
                                                 padded_requests)
 
 
+@pytest.mark.parametrize("width", [W, 40], ids=["W6", "W40"])  # C == W, and C < W
 @pytest.mark.parametrize("path", PATHS)
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), modes=st.lists(
     st.tuples(st.booleans(), st.booleans()), min_size=1, max_size=5))
-def test_views_and_buffers_equal_the_oracle_with_or_without_counts(path, seed, modes):
+def test_views_and_buffers_equal_the_oracle_with_or_without_counts(path, width, seed,
+                                                                  modes):
     """Steps mixing begins and commits with and without counts: after every depth
     and every pass, the view, the ForwardShape and every buffer equal the reference's
     (on the masked table with counts, the raw one without), so no column past a count
     is read, the device rows hold D there, and a commit after a counted begin (or the
     other way round) reuses no row it would not ship."""
     rng = np.random.default_rng(seed)
-    pair = Pair(path)
+    pair = Pair(path, width)
     depths = 3
     for begin_counts, commit_counts in modes:
-        draft, commit = step_inputs(rng, depths)
+        draft, commit = step_inputs(rng, depths, width)
         pair.draft(*draft, depths, begin_counts)
         if rng.random() < 0.5:  # the draft loop's rows again: what a commit may reuse
             n, _, _, table, counts = draft
