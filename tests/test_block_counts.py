@@ -120,13 +120,15 @@ class Pair:
         assert_buffers_equal(self.meta, self.ref)
 
 
-def step_inputs(rng: np.random.Generator, depths: int, width: int = W, low: int = 0):
+def step_inputs(rng: np.random.Generator, depths: int, width: int = W, low: int = 0,
+                long: bool = True):
     """One step's inputs: draft rows whose depths stay below their counts, and a commit
     pass whose spans stay below theirs (a row's count covers what it writes); ``n`` and
-    ``P`` at least ``low``. Positions stay in the first ``W`` columns."""
+    ``P`` at least ``low``; without ``long``, positions stay in the first ``W``
+    columns."""
     n = int(rng.integers(low, R + 1))
     padded = int(rng.integers(n, R + 1))
-    reach = int(rng.choice([2 * BS, W * BS, width * BS]))  # short rows, long rows
+    reach = int(rng.choice([2 * BS, W * BS] + [width * BS] * long))  # short, long rows
     starts = rng.integers(0, reach - depths, size=R).astype(np.int32)
     need = (starts + depths - 1) // BS + 1
     counts = np.minimum(width, need + rng.integers(0, 3, size=R)).astype(np.int32)
@@ -193,6 +195,34 @@ def full_batch_inputs():
 def test_a_full_batch_that_absorbs_the_pad_equals_the_oracle(path):
     pair = Pair(path)
     pair.commit(*full_batch_inputs(), True)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_shrunk_count_leaves_no_stale_block_in_the_draft_table(path):
+    """An int64 draft table into an int32 view: every entry of a draft row must fit the
+    view (contract §5). A begin whose row 0 holds 2**40 in column 4, below its count,
+    makes the depth refuse; the next begin gives row 0 two blocks, so column 4 is past
+    its count and holds D: the depth runs (a stale 2**40 left in the host's copy of
+    the table would refuse it) and equals the oracle."""
+    kwargs = dict(KWARGS, max_kv_block_count=40, block_table_dtype=torch.int64)
+    meta, view, _ = build(path, max_kv_block_count=40, block_table_dtype=torch.int64)
+    ref = ReferenceMTPMetadata(**kwargs)
+    ref.allocate("cpu")
+    ref_view = ReferenceGPUView(R, TOKENS, 40, "cpu")
+    table = np.arange(R * 40, dtype=np.int64).reshape(R, 40)
+    table[0, 4] = 2**40
+    starts = np.zeros(R, np.int32)
+    meta.begin_decode(2, 2, starts, table, False, block_counts=[5, 3])
+    with pytest.raises(ValueError, match="does not fit"):
+        meta.setup_decode_step(view)
+    counts = np.array([2, 3])
+    meta.begin_decode(2, 2, starts, table, False, block_counts=counts)
+    meta.setup_decode_step(view)
+    ref.begin_decode(2, 2, torch.from_numpy(starts),
+                     torch.from_numpy(masked(table, counts)), False)
+    ref.setup_decode_step(ref_view)
+    assert_views_equal(view, ref_view)
+    assert_buffers_equal(meta, ref)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -325,7 +355,7 @@ def test_counted_calls_cost_one_device_op_more_and_no_sync_or_allocation(path):
     rng = np.random.default_rng(3)
     ops = {}
     for round_ in range(4):
-        draft, commit = step_inputs(rng, 2, width, low=1)
+        draft, commit = step_inputs(rng, 2, width, low=1, long=False)
         n, padded, starts, table, counts = draft
         spans, cstarts, ctable, ccounts, inherited, ptokens, prequests = commit
         calls = {
