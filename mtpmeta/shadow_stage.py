@@ -330,6 +330,7 @@ class CommitStage(_FixedStage):
         self._rows_src: List[Optional[_Prefixes]] = [None] * ring.num_slots
         self._table_field = table  # the view's mha_block_table [R, W]
         self._counted_groups: List[int] = []  # distinct groups of flush_counted rows
+        self._packed_src: List[Optional[Tensor]] = [None] * ring.num_slots
         self._rows_words = words
         self._rows_group = self._group(group)
         self._seal()
@@ -401,8 +402,13 @@ class CommitStage(_FixedStage):
                             requests, requests, requests + 1, requests + 1, 0,
                             staged_count), extra)
         if staged_count:
-            staged = self.layout.tensors(self.ring.device_slots[slot]).mha_block_table
-            source = staged.view(-1)[:staged_count * columns].view(staged_count, columns)
+            flat = self._packed_src[slot]
+            if flat is None:  # the slot's staged table region, flat: built once
+                flat = self.layout.tensors(self.ring.device_slots[slot]) \
+                    .mha_block_table.view(-1)
+                self._packed_src[slot] = flat
+                self._counter[0] += 1
+            source = flat[:staged_count * columns].view(staged_count, columns)
             self._table_field[:staged_count, :columns].copy_(source, non_blocking=True)
 
     def _extra_groups(self) -> List[int]:
