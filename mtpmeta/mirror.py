@@ -189,6 +189,7 @@ class MirrorBackend(ForwardStaging, CountedStaging):
         head_np, table_np = self._begin_arrays[slot]
         native.draft_state.copy_decode_inputs(start_positions, table_src, count,
                                           self.block_size, head_np[1:], table_np)
+        self._packed_rows[slot] = 0  # the slot's packed rows (mirror_counts): rewritten
         # The device count too, in the same copy: a graph captured with capture_setup
         # (contract §12) replayed after this begin masks rows [n, padded) as pad rows.
         captured.stage_count(head_np, count)

@@ -13,8 +13,10 @@ built per call, a few µs), so no per-shape state grows.
   ``[:n, C:]``: 4 data ops with the head's H2D, one more than without counts. The host
   truth is the private ``_own_block_table`` ``[R, W]``: its rows hold the used entries
   and ``D`` past them, kept so at O(used) cost by per-row widths
-  (``native.draft_state.stage_counted_inputs``). ``_reuse_table`` then holds no rows
-  a commit may take (``_device_table_rows = 0``).
+  (``native.draft_state.stage_counted_inputs``); the packed rows of each slot too
+  (per slot: its last ``C`` and each row's last count; a plain begin, which writes the
+  slot at width ``W``, forgets them). ``_reuse_table`` then holds no rows a commit may
+  take (``_device_table_rows = 0``).
 * commit: no row is reused from the device; the commit stage's table region holds the
   packed ``[m, C]`` rows (``m`` the staged requests), shipped with the rest of the
   shadow; the one ``_foreach_copy_`` also writes whole rows ``[:m]`` from a device
@@ -53,6 +55,12 @@ class CountedStaging:
         # columns at and past it do); _own_block_table starts all D.
         self._own_widths = np.zeros(max_requests, dtype=np.int32)
         self._dummy_rows: Optional[torch.Tensor] = None  # [R * W] int32 of D, lazily
+        # Per begin slot: the width C its packed rows were last written at, how many
+        # leading rows are known, and each known row's count (D from it to C).
+        slots = self._begin_ring.num_slots
+        self._packed_columns = [0] * slots
+        self._packed_rows = [0] * slots
+        self._packed_widths = [np.zeros(max_requests, dtype=np.int32) for _ in range(slots)]
 
     def _begin_counted(self, count: int, start_positions: np.ndarray,
                        table_src: np.ndarray, block_counts: np.ndarray) -> None:
@@ -63,9 +71,13 @@ class CountedStaging:
         slot = ring.acquire()
         head_np, table_np = self._begin_arrays[slot]
         packed = table_np.reshape(-1)[:count * columns].reshape(count, columns)
+        known = self._packed_rows[slot] if self._packed_columns[slot] == columns else 0
         native.draft_state.stage_counted_inputs(
             start_positions, table_src, block_counts, count, self.block_size, self.dummy,
-            head_np[1:], self._own_block_table, self._own_widths, packed, self._counts)
+            head_np[1:], self._own_block_table, self._own_widths, packed,
+            self._packed_widths[slot], known, self._counts)
+        self._packed_columns[slot] = columns
+        self._packed_rows[slot] = max(known, count)
         captured.stage_count(head_np, count)
         self.host_offsets[:count] = head_np[1:count + 1]
         self.host_block_table = self._own_block_table

@@ -64,6 +64,7 @@ class TraceConfig:
     prefix_hit_rate: float = 0.4
     swap_rate: float = 0.3
     hidden_size: int = 64
+    pool_columns: int = 0  # the block pool holds R * this (0: block_columns) blocks
 
     def step_config(self) -> StepConfig:
         """The ``StepConfig`` whose objects hold every step of the trace."""
@@ -79,9 +80,11 @@ PRODUCTION_TRACE = TraceConfig(max_requests=1024, block_columns=2048, block_size
                                chunk_tokens=1024, prompt_median=400.0,
                                output_median=3000.0, context_median=3000.0,
                                arrival_rate=1.8)
-#: The production traffic on a table 4x as wide (W 8192): the same requests (their
-#: lengths are clipped far below either width), so only the table's width changes.
-PRODUCTION_WIDE_TRACE = TraceConfig(**{**PRODUCTION_TRACE.__dict__, "block_columns": 8192})
+#: The production traffic on a table 4x as wide (W 8192): the same block pool (so the
+#: same random draws) and the same requests, whose lengths stay far below either
+#: width, so only the table's width changes.
+PRODUCTION_WIDE_TRACE = TraceConfig(**{**PRODUCTION_TRACE.__dict__, "block_columns": 8192,
+                                       "pool_columns": PRODUCTION_TRACE.block_columns})
 
 
 @dataclass
@@ -127,7 +130,7 @@ class _Engine:
     def __init__(self, config: TraceConfig, rng: np.random.Generator) -> None:
         self.c, self.rng = config, rng
         R, W = config.max_requests, config.block_columns
-        self.free = rng.permutation(R * W).tolist()
+        self.free = rng.permutation(R * (config.pool_columns or W)).tolist()
         self.table = np.full((R, W), -1, dtype=np.int32)
         self.counts = np.zeros(R, dtype=np.int32)  # blocks of each row of the table
         self.dirty: set = set()
