@@ -44,6 +44,7 @@ class DirectBackend:
         self._full_counts = np.full(max_requests, width, dtype=np.int32)
         self._counts = np.zeros(max_requests, dtype=np.int32)
         self.host_block_counts = self._full_counts
+        self._known_scratch = np.zeros(max_requests + 1, dtype=np.int32)
 
     # ------------------------------------------------------------------ draft loop
     def begin_decode(self, count: int, start_positions: np.ndarray,
@@ -111,6 +112,7 @@ class DirectBackend:
             padded_tokens, pad_tokens, self.max_requests, min_padded_requests,
             self.block_size, self.dummy, 0, self._block_table.shape[1],
             target.token_block_range[1], *kernel_optional(block_counts),
+            self._known_scratch, 0,  # the view's rows: every column written
             self._query_lengths, *target.token_arrays, *target.request_arrays)
 
     # -------------------------------------------------------------------- writers

@@ -70,7 +70,8 @@ from .staging import StagingRing
 
 __all__ = ["MirrorBackend"]
 
-_NO_COUNTS = kernel_optional(None)  # commit_pass's block counts: absent
+# commit_pass's block counts: absent (and their packed-row bookkeeping unused).
+_NO_COUNTS = kernel_optional(None) + (np.zeros(1, dtype=np.int32), 0)
 
 
 class MirrorBackend(ForwardStaging, CountedStaging):
@@ -262,8 +263,8 @@ class MirrorBackend(ForwardStaging, CountedStaging):
         if stage is None:
             slot, layout, token_args, request_args = self._shadow(target, padded, padded,
                                                                   0)
-        else:
-            slot = self._forward_ring.acquire()
+        else:  # writes the stage's bytes only (a counted commit's mark may survive)
+            slot = self._forward_ring.acquire(stage.layout.nbytes)
             token_args, request_args = stage.args(slot)
         max_kv = native.staging.decode_step_maps(
             self.host_offsets, self.host_block_table, self.host_block_counts, count, padded,

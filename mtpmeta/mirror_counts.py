@@ -55,6 +55,7 @@ class CountedStaging:
         # columns at and past it do); _own_block_table starts all D.
         self._own_widths = np.zeros(max_requests, dtype=np.int32)
         self._dummy_rows: Optional[torch.Tensor] = None  # [R * W] int32 of D, lazily
+        self._known_scratch = np.zeros(max_requests + 1, dtype=np.int32)
         # Per begin slot: the width C its packed rows were last written at, how many
         # leading rows are known, and each known row's count (D from it to C).
         slots = self._begin_ring.num_slots
@@ -111,7 +112,8 @@ class CountedStaging:
                 target, padded_tokens, padded_requests, padded_requests)
             result = self._commit_kernel(counts, starts, table, inherited, block_counts,
                                          padded_tokens, pad_tokens, min_padded_requests,
-                                         target, token_args, request_args)
+                                         target, token_args, request_args,
+                                         self._known_scratch, 0)
             if result[0] < 0:
                 self._forward_ring.release(slot)
                 return result
@@ -121,15 +123,23 @@ class CountedStaging:
         num_prefill = counts.shape[0]
         width = target.width
         columns = column_bucket(int(_min_max(block_counts, num_prefill)[1]), width)
-        slot = self._forward_ring.acquire()
+        ring = self._forward_ring
+        slot = ring.acquire()
         token_args, request_args = stage.args(slot)
         packed = request_args[4].reshape(-1)[:padded_requests * columns].reshape(
             padded_requests, columns)
+        # The slot's packed rows are known when this stage, at this C, wrote them last.
+        mark = stage.packed_mark(columns)
+        known_rows = stage.known_rows[slot] if ring.last_mark == mark else 0
         result = self._commit_kernel(counts, starts, table, inherited, block_counts,
                                      padded_tokens, pad_tokens, min_padded_requests,
-                                     target, token_args, request_args[:4] + (packed,))
+                                     target, token_args, request_args[:4] + (packed,),
+                                     stage.known[slot], known_rows)
+        ring.marks[slot] = mark  # refused or not, the kernel wrote by the bookkeeping
+        stage.known_rows[slot] = max(known_rows, padded_requests) if result[0] >= 0 \
+            else known_rows
         if result[0] < 0:
-            self._forward_ring.release(slot)
+            ring.release(slot)
             return result
         total, staged, padded_requests, _ = result
         stage.flush_counted(slot, padded_tokens, total, padded_requests, staged, columns,
@@ -139,12 +149,13 @@ class CountedStaging:
 
     def _commit_kernel(self, counts, starts, table, inherited, block_counts,
                        padded_tokens, pad_tokens, min_padded_requests, target, token_args,
-                       request_args):
+                       request_args, known, known_rows):
         return native.staging.commit_pass(
             counts, *kernel_optional(starts), table, *kernel_optional(inherited),
             padded_tokens, pad_tokens, self.max_requests, min_padded_requests,
             self.block_size, self.dummy, 0, self.buffers.block_table.shape[1],
-            target.token_block_range[1], block_counts, True, self._scratch_q, *token_args, *request_args)
+            target.token_block_range[1], block_counts, True, known, known_rows,
+            self._scratch_q, *token_args, *request_args)
 
     def _dummy_block(self) -> torch.Tensor:
         """``[R * W]`` int32 of ``D`` on the device, the source of a counted commit's

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -331,6 +332,11 @@ class CommitStage(_FixedStage):
         self._table_field = table  # the view's mha_block_table [R, W]
         self._counted_groups: List[int] = []  # distinct groups of flush_counted rows
         self._packed_src: List[Optional[Tensor]] = [None] * ring.num_slots
+        # A counted pass's packed rows per slot (mirror_counts): each row's count (the
+        # columns from it on hold D) and how many leading rows that holds for, valid
+        # while the ring's mark for the slot is packed_mark(C).
+        self.known = [np.zeros(requests + 1, dtype=np.int32) for _ in range(ring.num_slots)]
+        self.known_rows = [0] * ring.num_slots
         self._rows_words = words
         self._rows_group = self._group(group)
         self._seal()
@@ -413,6 +419,11 @@ class CommitStage(_FixedStage):
 
     def _extra_groups(self) -> List[int]:
         return [self._rows_group] + self._counted_groups
+
+    def packed_mark(self, columns: int) -> tuple:
+        """The ring mark of a slot whose table region (from ``_end_base`` on) holds
+        this stage's packed rows at ``columns`` columns."""
+        return (self._end_base, self, columns)
 
     def _whole(self, block: Tensor, start: int, stop: int,
                width: int) -> Tuple[Tensor, Tensor, int]:

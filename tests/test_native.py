@@ -508,7 +508,8 @@ def test_commit_pass_matches_naive(has_starts, has_inherited, rng):
             counts, starts if has_starts else np.zeros(1, np.int64), has_starts, table,
             inherited if has_inherited else np.zeros(1, np.int64), has_inherited,
             padded_tokens, pad_tokens, num_rows, min_padded, block_size, DUMMY, first_row,
-            width, high, np.zeros(1, np.int64), False, lengths, *view)
+            width, high, np.zeros(1, np.int64), False, np.zeros(1, np.int32), 0, lengths,
+            *view)
         refused += got_result[0] < 0
         assert got_result == want_result
         assert_same([lengths] + view, [want_lengths] + want_view)
