@@ -380,3 +380,20 @@ def test_counted_calls_cost_one_device_op_more_and_no_sync_or_allocation(path):
         return
     assert ops["depth"] == {2} and ops["advance"] == {1}, ops
     assert ops["begin"] == {4} and ops["commit"] == {3}, ops
+
+
+@pytest.mark.parametrize("slots", [2, 3])
+def test_reused_staging_slots_never_leak_stale_blocks(slots):
+    """The mirror path D-fills a staging slot's packed rows only where they may be
+    stale (per-slot widths, valid for one shipped width C and one writer): 60 steps on
+    2 or 3 slots, each a begin (counted or plain), two depths and a commit pass
+    (counted or plain), with the largest count jumping between buckets, every one equal
+    to the reference on the masked table (a stale entry past a count would show)."""
+    width = 40
+    pair = Pair("mirror", width)
+    pair.meta.allocate("cpu", mirror=True, max_tokens=TOKENS, staging_slots=slots)
+    rng = np.random.default_rng(11)
+    for step in range(60):
+        draft, commit = step_inputs(rng, 2, width, low=1)
+        pair.draft(*draft, 2, bool(rng.random() < 0.7))
+        pair.commit(*commit, bool(rng.random() < 0.7))
