@@ -11,17 +11,17 @@ a sequence): the counts decide what the host reads and ships, so a device tensor
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import numpy as np
 
 from . import native
 from .gpu_view import ViewTarget
-from .inputs import as_host_ints, is_device_tensor
+from .inputs import as_host_ints, is_device_tensor, kernel_optional
 
 __all__ = ["as_block_counts", "refuse_device_table", "column_bucket",
            "raise_past_count", "check_commit_counts", "raise_commit_past_count",
-           "MIN_BUCKET"]
+           "counted_commit", "MIN_BUCKET"]
 
 _first_outside_closed = native.checks.first_outside_closed
 _first_past_count = native.checks.first_past_count
@@ -98,3 +98,35 @@ def raise_commit_past_count(geo: Any, counts: np.ndarray, starts: Optional[np.nd
                      f"block_counts[{r}] = {int(block_counts[r])} (the blocks the row "
                      "has); allocate the block and pass its count")
 
+
+_NO_TABLE_ROW = 2**31 - 1  # commit_pass's first table row: past every request
+
+
+def counted_commit(counts: np.ndarray, starts: Optional[np.ndarray], table: np.ndarray,
+                   inherited: Optional[np.ndarray], block_counts: np.ndarray,
+                   padded_tokens: int, pad_tokens: int, max_requests: int,
+                   min_padded_requests: int, block_size: int, dummy: int, width: int,
+                   high: int, lengths: np.ndarray, token_args: tuple, request_args: tuple,
+                   known: np.ndarray, known_rows: int) -> Tuple[int, int, int, int]:
+    """A commit pass with counts, both paths: ``native.staging.commit_pass`` for all but
+    the table rows (its refusals included: then nothing is written), then
+    ``native.counts.write_counted_rows`` into ``request_args[4]`` (the view's
+    ``mha_block_table`` or a packed shadow; ``known``, ``known_rows`` as there, and
+    ``known`` at least as long as the pass's padded requests). Returns as the kernel."""
+    table_rows = request_args[4]
+    result = native.staging.commit_pass(
+        counts, *kernel_optional(starts), table, *kernel_optional(inherited),
+        padded_tokens, pad_tokens, max_requests, min_padded_requests, block_size, dummy,
+        _NO_TABLE_ROW, width, high, lengths, *token_args, *request_args[:4],
+        table_rows[:0])
+    if result[0] < 0:
+        return result
+    num_prefill = counts.shape[0]
+    absorb = -1  # a full batch's last request absorbs the pad: its span's end
+    if pad_tokens > 0 and result[1] == num_prefill and num_prefill:
+        start = 0 if starts is None else int(starts[num_prefill - 1])
+        absorb = start + int(counts[num_prefill - 1])
+    native.counts.write_counted_rows(table, block_counts, num_prefill, result[1],
+                                     result[2], dummy, absorb, block_size, known,
+                                     known_rows, table_rows)
+    return result

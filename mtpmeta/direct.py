@@ -13,6 +13,7 @@ import numpy as np
 from . import captured, native
 from .buffers import PersistentBuffers
 from .gpu_view import ViewTarget
+from .block_counts import counted_commit
 from .inputs import kernel_optional
 
 __all__ = ["DirectBackend"]
@@ -44,7 +45,6 @@ class DirectBackend:
         self._full_counts = np.full(max_requests, width, dtype=np.int32)
         self._counts = np.zeros(max_requests, dtype=np.int32)
         self.host_block_counts = self._full_counts
-        self._known_scratch = np.zeros(max_requests + 1, dtype=np.int32)
 
     # ------------------------------------------------------------------ draft loop
     def begin_decode(self, count: int, start_positions: np.ndarray,
@@ -106,13 +106,20 @@ class DirectBackend:
                     block_counts: Optional[np.ndarray] = None
                     ) -> Tuple[int, int, int, int]:
         """The commit pass; ``(T, m, padded_requests, max_len)``, or (nothing written)
-        ``(-code, r, column, 0)`` for a bad written block (``native.staging.commit_pass``)."""
+        ``(-code, r, column, 0)`` for a bad written block (``native.staging.commit_pass``).
+        With ``block_counts``: ``mtpmeta.block_counts.counted_commit``."""
+        if block_counts is not None:
+            known = np.zeros(padded_requests + 1, dtype=np.int32)  # every column written
+            return counted_commit(
+                counts, starts, table, inherited, block_counts, padded_tokens, pad_tokens,
+                self.max_requests, min_padded_requests, self.block_size, self.dummy,
+                self._block_table.shape[1], target.token_block_range[1],
+                self._query_lengths, target.token_arrays, target.request_arrays, known, 0)
         return native.staging.commit_pass(
             counts, *kernel_optional(starts), table, *kernel_optional(inherited),
             padded_tokens, pad_tokens, self.max_requests, min_padded_requests,
             self.block_size, self.dummy, 0, self._block_table.shape[1],
-            target.token_block_range[1], *kernel_optional(block_counts),
-            self._known_scratch, 0,  # the view's rows: every column written
+            target.token_block_range[1],
             self._query_lengths, *target.token_arrays, *target.request_arrays)
 
     # -------------------------------------------------------------------- writers

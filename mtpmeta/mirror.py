@@ -70,9 +70,6 @@ from .staging import StagingRing
 
 __all__ = ["MirrorBackend"]
 
-# commit_pass's block counts: absent (and their packed-row bookkeeping unused).
-_NO_COUNTS = kernel_optional(None) + (np.zeros(1, dtype=np.int32), 0)
-
 
 class MirrorBackend(ForwardStaging, CountedStaging):
     """Pinned staging + async copies + device ops. See the module docstring."""
@@ -326,8 +323,7 @@ class MirrorBackend(ForwardStaging, CountedStaging):
             counts, *kernel_optional(starts), table, *kernel_optional(inherited),
             padded_tokens, pad_tokens, self.max_requests, min_padded_requests,
             self.block_size, self.dummy, device_rows, self.buffers.block_table.shape[1],
-            target.token_block_range[1], *_NO_COUNTS, self._scratch_q, *token_args,
-            *request_args)
+            target.token_block_range[1], self._scratch_q, *token_args, *request_args)
         if total < 0:  # a bad written block: the kernel wrote nothing, nothing ships
             self._forward_ring.release(slot)
             return total, staged, padded_requests, max_len

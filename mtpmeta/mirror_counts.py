@@ -34,9 +34,8 @@ import numpy as np
 import torch
 
 from . import captured, native
-from .block_counts import column_bucket
+from .block_counts import column_bucket, counted_commit
 from .gpu_view import ViewTarget
-from .inputs import kernel_optional
 
 __all__ = ["CountedStaging"]
 
@@ -55,7 +54,6 @@ class CountedStaging:
         # columns at and past it do); _own_block_table starts all D.
         self._own_widths = np.zeros(max_requests, dtype=np.int32)
         self._dummy_rows: Optional[torch.Tensor] = None  # [R * W] int32 of D, lazily
-        self._known_scratch = np.zeros(max_requests + 1, dtype=np.int32)
         # Per begin slot: the width C its packed rows were last written at, how many
         # leading rows are known, and each known row's count (D from it to C).
         slots = self._begin_ring.num_slots
@@ -113,7 +111,7 @@ class CountedStaging:
             result = self._commit_kernel(counts, starts, table, inherited, block_counts,
                                          padded_tokens, pad_tokens, min_padded_requests,
                                          target, token_args, request_args,
-                                         self._known_scratch, 0)
+                                         np.zeros(padded_requests + 1, np.int32), 0)
             if result[0] < 0:
                 self._forward_ring.release(slot)
                 return result
@@ -150,12 +148,11 @@ class CountedStaging:
     def _commit_kernel(self, counts, starts, table, inherited, block_counts,
                        padded_tokens, pad_tokens, min_padded_requests, target, token_args,
                        request_args, known, known_rows):
-        return native.staging.commit_pass(
-            counts, *kernel_optional(starts), table, *kernel_optional(inherited),
-            padded_tokens, pad_tokens, self.max_requests, min_padded_requests,
-            self.block_size, self.dummy, 0, self.buffers.block_table.shape[1],
-            target.token_block_range[1], block_counts, True, known, known_rows,
-            self._scratch_q, *token_args, *request_args)
+        return counted_commit(
+            counts, starts, table, inherited, block_counts, padded_tokens, pad_tokens,
+            self.max_requests, min_padded_requests, self.block_size, self.dummy,
+            self.buffers.block_table.shape[1], target.token_block_range[1],
+            self._scratch_q, token_args, request_args, known, known_rows)
 
     def _dummy_block(self) -> torch.Tensor:
         """``[R * W]`` int32 of ``D`` on the device, the source of a counted commit's

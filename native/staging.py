@@ -296,43 +296,6 @@ def write_mha_block_rows(block_table, num_table_rows, count, padded, dummy, firs
 
 
 @njit(cache=True)
-def write_mha_counted_rows(block_table, block_counts, num_table_rows, count, padded,
-                           dummy, first_row, known, known_rows, mha_block_table):
-    """``write_mha_block_rows`` with the opt-in block counts: row ``i < num_table_rows``
-    takes ``block_table[i, :block_counts[i]]`` and ``dummy`` in its columns at or past
-    the count (those of ``block_table`` are never read). W is ``mha_block_table.shape[1]``
-    (a packed shadow of ``C <= W`` columns on the mirror path; a count past it is cut).
-    ``known`` [>= padded] int32: for output rows ``< known_rows``, the columns from
-    ``known[i]`` on already hold ``dummy`` (a packed slot written before), so only
-    ``[count, known[i])`` is filled; ``known[i]`` then becomes what row ``i`` holds
-    (its count; 0 for a pad-request row, W for a -1 row). ``known_rows`` 0: fill all.
-    block_counts: int [>= num_table_rows], each in ``[0, W_table]``.
-
-    >>> table, known = np.zeros((3, 3), np.int32), np.zeros(3, np.int32)
-    >>> write_mha_counted_rows(np.array([[3, 4, 5], [6, 7, 8]]), np.array([1, 3]), 2, 2,
-    ...                        3, 99, 0, known, 0, table); table.tolist(), known.tolist()
-    ([[3, 99, 99], [6, 7, 8], [-1, -1, -1]], [1, 3, 3])
-    """
-    width = mha_block_table.shape[1]
-    for i in range(first_row, padded):
-        out = i - first_row
-        stale = np.int64(known[out]) if out < known_rows else np.int64(width)
-        if i >= count:
-            for col in range(width):
-                mha_block_table[out, col] = -1
-            known[out] = width
-            continue
-        used = np.int64(0)
-        if i < num_table_rows:
-            used = min(np.int64(block_counts[i]), width)
-            for col in range(used):
-                mha_block_table[out, col] = block_table[i, col]
-        for col in range(used, stale):
-            mha_block_table[out, col] = dummy
-        known[out] = used
-
-
-@njit(cache=True)
 def write_mha_metadata(query_lengths, kv_lengths, count, block_table, num_table_rows,
                        padded, dummy, mha_query_lengths, mha_kv_seq_lengths,
                        mha_cu_query_seq_lengths, mha_cu_kv_seq_lengths, mha_block_table):
@@ -398,7 +361,8 @@ def decode_step_maps(offsets, block_table, block_counts, count, padded, block_si
     length; without writing anything, ``-2 - i`` when row ``i``'s written block is
     negative (unallocated) or above ``high`` (``first_bad_draft_block``, the first such
     row) or its column is ``>= block_counts[i]`` (the opt-in block counts; ``W`` for
-    every row without them), else -1 when an offset is negative or past the table (``offsets_in_table``).
+    every row without them), else -1 when an offset is negative or past the table
+    (``offsets_in_table``).
     Both refusals are found in one scan of the offsets, before the first write.
 
     offsets: int32 [R]; block_table: [R, W]; block_counts: int [>= count]; query/kv
@@ -491,8 +455,7 @@ def dummy_past_span(mha_block_table, row, span_end, block_size, dummy):
 @njit(cache=True)
 def commit_pass(counts, starts, has_starts, block_table, inherited, has_inherited,
                 padded_tokens, pad_tokens, max_requests, min_padded_requests, block_size,
-                dummy, first_table_row, width, high, block_counts, has_counts, known,
-                known_rows, lengths, pos_ids, block_idx, local_pos,
+                dummy, first_table_row, width, high, lengths, pos_ids, block_idx, local_pos,
                 request_idx, position_in_request, mha_query_lengths, mha_kv_seq_lengths,
                 mha_cu_query_seq_lengths, mha_cu_kv_seq_lengths, mha_block_table):
     """A whole varlen commit pass in one call; returns ``(T, m, padded_requests, max_len)``.
@@ -503,11 +466,9 @@ def commit_pass(counts, starts, has_starts, block_table, inherited, has_inherite
     When request ``P - 1`` absorbs the pad (``m == P``, ``pad_tokens > 0``) its block row
     is then cut back with ``dummy_past_span``. Block rows below ``first_table_row`` are
     not written and ``mha_block_table`` holds rows from ``first_table_row`` on
-    (``write_mha_block_rows``; with ``has_counts``, ``write_mha_counted_rows``: row
-    ``r`` reads ``block_table[r, :block_counts[r]]`` only, the caller having refused a
-    token past its count, and ``known``/``known_rows`` say which packed columns already
-    hold the dummy block); the caller keeps ``first_table_row <= P - 1`` when the
-    last request absorbs the pad, and ``0`` means every row.
+    (``write_mha_block_rows``); ``0`` means every row, and a ``first_table_row`` past
+    the last request writes no row (the opt-in block counts' writer,
+    ``counts.write_counted_rows``, then writes them, the pad cut included).
 
     First, before anything is written, the blocks the tokens write are scanned
     (``first_bad_commit_block`` with ``width`` and ``high``): on a bad one it returns
@@ -528,14 +489,9 @@ def commit_pass(counts, starts, has_starts, block_table, inherited, has_inherite
     max_len, _ = write_mha_lengths(lengths, lengths, staged, padded_requests,
                                    mha_query_lengths, mha_kv_seq_lengths,
                                    mha_cu_query_seq_lengths, mha_cu_kv_seq_lengths)
-    if has_counts:
-        write_mha_counted_rows(block_table, block_counts, num_prefill, staged,
-                               padded_requests, dummy, first_table_row, known, known_rows,
-                               mha_block_table)
-    else:
-        write_mha_block_rows(block_table, num_prefill, staged, padded_requests, dummy,
-                             first_table_row, mha_block_table)
-    if pad_tokens > 0 and staged == num_prefill:
+    write_mha_block_rows(block_table, num_prefill, staged, padded_requests, dummy,
+                         first_table_row, mha_block_table)
+    if pad_tokens > 0 and staged == num_prefill and num_prefill - 1 >= first_table_row:
         last = num_prefill - 1
         start = np.int64(starts[last]) if has_starts else np.int64(0)
         dummy_past_span(mha_block_table, last - first_table_row, start + counts[last],

@@ -25,7 +25,7 @@ CASES = 40  # random cases per test: enough to hit every branch, cheap under JIT
 DUMMY = 7777  # never a table entry, so a dummy write cannot pass for a table read
 INDEX_DTYPES = (np.int32, np.int64)
 NATIVE_MODULES = (native.rows, native.carry, native.checks, native.draft_state,
-                  native.staging)
+                  native.staging, native.counts)
 # Public kernels without an example of their own, and where they are shown instead.
 WITHOUT_EXAMPLE = {
     "mtpmeta.native.carry.invalidate": "walked through in check_take's example",
@@ -508,8 +508,7 @@ def test_commit_pass_matches_naive(has_starts, has_inherited, rng):
             counts, starts if has_starts else np.zeros(1, np.int64), has_starts, table,
             inherited if has_inherited else np.zeros(1, np.int64), has_inherited,
             padded_tokens, pad_tokens, num_rows, min_padded, block_size, DUMMY, first_row,
-            width, high, np.zeros(1, np.int64), False, np.zeros(1, np.int32), 0, lengths,
-            *view)
+            width, high, lengths, *view)
         refused += got_result[0] < 0
         assert got_result == want_result
         assert_same([lengths] + view, [want_lengths] + want_view)
