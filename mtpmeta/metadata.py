@@ -283,8 +283,7 @@ class MTPMetadata(MetadataState, CapturedLoop, ViewWriters):
     # ---------------------------------------------------------------- draft loop
     def begin_decode(self, active_request_count: int, padded_count: int,
                      start_positions: Tensor, block_table_src: Tensor,
-                     graphed: bool, *, capture_setup: bool = False,
-                     block_counts: Any = None) -> None:
+                     graphed: bool, *, capture_setup: bool = False, block_counts: Any = None) -> None:
         """Stage the draft loop: copy (never alias) ``start_positions[:n]`` into
         ``offsets[:n]`` and ``block_table_src[:n]`` into ``block_table[:n]``; enter DRAFT.
 
@@ -312,18 +311,7 @@ class MTPMetadata(MetadataState, CapturedLoop, ViewWriters):
         copied on the device and are NOT value-checked (that would be a sync): an id that
         does not fit is converted as torch's ``copy_`` converts it (``check_invariants``
         flags it afterwards); the host then has no copy of the offsets and
-        ``ForwardShape.max_seqlen_k`` is None.
-
-        ``block_counts`` (opt-in, beyond upstream; contract §5 "Block counts"): host
-        ints ``[>= n]`` in ``[0, W]``, the blocks each row has (e.g. Megatron's
-        ``request_kv_block_counts``). Row ``i`` then uses only
-        ``block_table_src[i, :block_counts[i]]``: the columns past it are never read,
-        ``block_table[i]`` holds the dummy block ``D`` there, and a depth whose block
-        column is at or past the count is refused (a ``ValueError`` naming
-        ``block_counts``, nothing written). The mirror path then ships only the used
-        columns (a power-of-two bucket of the largest count). It needs a host table:
-        with a device-tensor ``block_table_src`` (or device counts) it is a
-        ``TypeError``.
+        ``ForwardShape.max_seqlen_k`` is None. ``block_counts``: opt-in, contract §5.
         """
         backend = self._backend
         if backend is None:
@@ -331,9 +319,8 @@ class MTPMetadata(MetadataState, CapturedLoop, ViewWriters):
         if type(graphed) is not bool:
             graphed = check_flag(graphed, "graphed")
         geometry = self._geometry
-        count, padded, starts, table, on_device, used = check_begin_decode(
-            geometry, active_request_count, padded_count, start_positions, block_table_src,
-            block_counts)
+        count, padded, starts, table, on_device, used = check_begin_decode(geometry,
+            active_request_count, padded_count, start_positions, block_table_src, block_counts)
         after = self.last_forward  # for check_invariants: the forward before the loop
         if capture_setup:
             self._begin_captured(backend, count, padded, starts, table, on_device, used)
@@ -465,8 +452,7 @@ class MTPMetadata(MetadataState, CapturedLoop, ViewWriters):
         max_kv = backend.decode_step(target, count, padded, self.graphed)
         if max_kv < -1:  # the kernel found a bad written block and wrote nothing
             raise_draft_block(self._geometry, target, backend.host_offsets,
-                              backend.host_block_table, -2 - max_kv,
-                              backend.host_block_counts)
+                              backend.host_block_table, -2 - max_kv, backend.host_block_counts)
         if max_kv < 0:  # the kernel found a bad offset and wrote nothing
             raise_position_error(self._geometry, "active_offsets", backend.host_offsets,
                                  count)
@@ -507,9 +493,8 @@ class MTPMetadata(MetadataState, CapturedLoop, ViewWriters):
     def setup_commit_pass(self, gpu_view: Any, append_counts: Tensor, block_table: Tensor,
                           *, start_positions: Optional[Tensor] = None,
                           inherited_blocks: Optional[Tensor] = None,
-                          padded_token_count: Optional[int] = None,
-                          padded_request_count: Optional[int] = None,
-                          block_counts: Any = None) -> ForwardShape:
+                          padded_token_count: Optional[int] = None, block_counts: Any = None,
+                          padded_request_count: Optional[int] = None) -> ForwardShape:
         """The whole varlen commit pass in one call; sets ``forward_mode = COMMIT``.
 
         Request ``r`` (row ``r`` of ``block_table``) writes ``append_counts[r]``
@@ -542,16 +527,7 @@ class MTPMetadata(MetadataState, CapturedLoop, ViewWriters):
         ``mha_block_table`` columns that lie wholly at or past ``start + count`` point at
         the dummy block (upstream copies the caller's row, -1 entries included).
         Example: BS 4, R 2, counts [3, 3], tables [[0, -1], [1, -1]], 8 tokens ->
-        lengths [3, 5], request 1 reads row [1, D].
-
-        ``block_counts`` (opt-in, beyond upstream; contract §10 "Block counts"): host
-        ints ``[>= P]`` in ``[0, block_table width]``. Request ``r`` then uses only
-        ``block_table[r, :block_counts[r]]``: the columns past it are never read, its
-        ``mha_block_table`` row holds ``D`` there, and a token whose block column is at
-        or past the count is refused (a ``ValueError`` naming ``block_counts``, nothing
-        written). The shape and lengths are unchanged. The mirror path then ships only
-        the used columns; it needs a host ``block_table`` (a device one is a
-        ``TypeError``).
+        lengths [3, 5], request 1 reads row [1, D]. ``block_counts``: opt-in, contract §5.
         """
         backend = self._require("setup_commit_pass")
         if self.draft_annotation_offset and inherited_blocks is not None:
