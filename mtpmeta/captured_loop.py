@@ -46,7 +46,7 @@ class CapturedLoop:
     """The captured-loop half of ``MTPMetadata`` (see the module docstring)."""
 
     def _begin_captured(self, backend: Any, count: int, padded: int, starts: Any,
-                        table: Any, on_device: bool) -> None:
+                        table: Any, on_device: bool, used: Any = None) -> None:
         """``begin_decode(..., capture_setup=True)`` for validated counts: stage
         ``offsets[:n]``, ``block_table[:n]`` and the device count, then enter DRAFT.
         Refuses (before any write) a padded count whose graph an earlier allocation
@@ -63,15 +63,15 @@ class CapturedLoop:
         if on_device:  # mirror path only: copied on the device, count by a device fill
             backend.begin_decode_device(count, starts, table)
         else:
-            self._check_begin_ids(table, count)  # before anything is written
-            if not backend.begin_decode(count, starts, table):  # the default staging,
+            self._check_begin_ids(table, count, used)  # before anything is written
+            if not backend.begin_decode(count, starts, table, used):  # default staging,
                 # which also stages the device count (captured.stage_count)
                 raise_position_error(self._geometry, "start_positions", starts, count)
         self._enter_checked(count, padded, True)
         self._capture_setup = self._offsets_stale = True  # a replay runs no host code
         self._loop_ids = None if on_device else self._captured_ids
 
-    def _check_begin_ids(self, table: np.ndarray, count: int) -> None:
+    def _check_begin_ids(self, table: np.ndarray, count: int, used: Any = None) -> None:
         """A host-input begin's ``table[:count]`` fits every view a captured depth
         wrote (``_captured_ids``), whatever the route: a graph holding the captured
         setup may replay after it. A ValueError naming the entry otherwise; free until
@@ -79,7 +79,8 @@ class CapturedLoop:
         ids = self._captured_ids
         if ids != self._geometry.table_range:
             check_rows_fit(table, count, ids, "block_table_src",
-                           "the dtype of a view a captured depth wrote", _range_name(ids))
+                           "the dtype of a view a captured depth wrote", _range_name(ids),
+                           used)
 
     def _begin_captured_for_capture(self, padded: int) -> None:
         """``begin_decode_for_capture(p, capture_setup=True)`` after the default

@@ -89,20 +89,26 @@ _INT32_MIN, _INT32_MAX, _INT64_MIN = -2**31, 2**31 - 1, -2**63
 
 
 def check_rows_fit(table: np.ndarray, rows: int, bounds: Tuple[int, int], name: str,
-                   what: str, dtype: Any) -> None:
+                   what: str, dtype: Any, counts: Optional[np.ndarray] = None) -> None:
     """Every entry of ``table[:rows]`` (C-contiguous int32/int64 [B, W], as the input
     converters return) lies in ``bounds``, the values ``dtype`` (named ``what`` in the
     message, e.g. ``"gpu_view.mha_block_table dtype"``) holds; a ValueError naming the
     entry, its value and the dtype otherwise. Free when the source dtype fits: an int32
     table into an int32 or int64 destination is never scanned (and the message is
-    built only on a refusal: formatting a dtype costs more than the check)."""
+    built only on a refusal: formatting a dtype costs more than the check). With
+    ``counts`` (the opt-in block counts) only row ``i``'s columns ``[:counts[i]]`` are
+    read."""
     low, high = bounds
     if table.dtype is _INT32_DTYPE:
         if low <= _INT32_MIN and high >= _INT32_MAX:
             return
     elif low <= _INT64_MIN and high >= INT64_MAX:
         return
-    _scan_rows_fit(table, rows, bounds, name, what, dtype)
+    if counts is None:
+        return _scan_rows_fit(table, rows, bounds, name, what, dtype)
+    row, column = native.checks.first_counted_outside(table, rows, counts, low, high)
+    if row >= 0:
+        _raise_unfit(table, row, column, bounds, name, what, dtype)
 
 
 def _scan_rows_fit(table: np.ndarray, rows: int, bounds: Tuple[int, int], name: str,
@@ -112,9 +118,15 @@ def _scan_rows_fit(table: np.ndarray, rows: int, bounds: Tuple[int, int], name: 
     bad = _first_outside_closed(flat, low, high)
     if bad >= 0:
         row, column = divmod(bad, table.shape[1])
-        raise ValueError(f"{name}: block id {int(flat[bad])} at [{row}, {column}] does "
-                         f"not fit {what} {dtype} (range [{low}, {high}]); it would wrap "
-                         "around into another block")
+        _raise_unfit(table, row, column, bounds, name, what, dtype)
+
+
+def _raise_unfit(table: np.ndarray, row: int, column: int, bounds: Tuple[int, int],
+                 name: str, what: str, dtype: Any) -> None:
+    low, high = bounds
+    raise ValueError(f"{name}: block id {int(table[row, column])} at [{row}, {column}] "
+                     f"does not fit {what} {dtype} (range [{low}, {high}]); it would "
+                     "wrap around into another block")
 
 
 def refuse_whole_annotations(method: str, inherited: Any, annotations: Tensor,

@@ -32,6 +32,8 @@ from .check_bounds import (CarryStatus, TokenStatus, _check_block_column,
                            _raise_token_status, _raise_written_block, _scan_rows_fit,
                            _shortest_request_field, _shortest_token_field, check_padded,
                            check_rows_fit)
+from .block_counts import (as_block_counts, check_commit_counts, raise_past_count,
+                           refuse_device_table)
 from .errors import ChunkCarryError, InvalidDtypeError
 from .gpu_view import ViewTarget
 from .inputs import (INT32_LIMIT, INT64_MAX, as_count, as_host_counts, as_host_ints,
@@ -54,12 +56,12 @@ _INHERITED_OUT_OF_RANGE = native.checks.INHERITED_OUT_OF_RANGE
 _check_take = native.carry.check_take
 
 # What a check returns (host arrays, or device tensors on the device-op route):
-# (count, padded, start_positions, block_table, on_device)
-DecodeInputs = Tuple[int, int, Any, Any, bool]
+# (count, padded, start_positions, block_table, on_device, block_counts)
+DecodeInputs = Tuple[int, int, Any, Any, bool, Optional[np.ndarray]]
 # (counts, starts, block_table, inherited, total, padded_tokens, pad_tokens,
-#  min_padded_requests, padded_requests)
+#  min_padded_requests, padded_requests, block_counts)
 CommitInputs = Tuple[np.ndarray, Optional[np.ndarray], np.ndarray, Optional[np.ndarray],
-                     int, int, int, int, int]
+                     int, int, int, int, int, Optional[np.ndarray]]
 # (rows, positions, block_table, inherited, count, padded, on_device)
 TokenInputs = Tuple[Any, Any, Any, Any, int, int, bool]
 # (query_lengths, kv_lengths, block_table, count, padded, on_device)
@@ -222,13 +224,17 @@ def check_decode_counts(geo: Geometry, active_request_count: Any,
 
 
 def check_begin_decode(geo: Geometry, active_request_count: Any, padded_count: Any,
-                       start_positions: Any, block_table_src: Any) -> DecodeInputs:
+                       start_positions: Any, block_table_src: Any,
+                       block_counts: Any = None) -> DecodeInputs:
     """``begin_decode``'s inputs. Host start positions are range-checked by the copy
     kernel (``raise_position_error`` decodes its refusal). The counts are checked as
-    in ``check_decode_counts``."""
+    in ``check_decode_counts``; ``block_counts`` (opt-in, host ints ``[>= n]`` in
+    ``[0, W]``, ``mtpmeta.block_counts``) comes back as the sixth item (None without)."""
     count, padded = check_decode_counts(geo, active_request_count, padded_count)
     if geo.mirror and (is_device_tensor(start_positions, geo.runtime)
                        or is_device_tensor(block_table_src, geo.runtime)):
+        if block_counts is not None:
+            refuse_device_table("block_table_src")
         check_device_tensors(geo.device, (("start_positions", start_positions, 1),
                                           ("block_table_src", block_table_src, 2)))
         starts, table, on_device = start_positions, block_table_src, True
@@ -242,10 +248,12 @@ def check_begin_decode(geo: Geometry, active_request_count: Any, padded_count: A
     if table.shape[0] < count or table.shape[1] != geo.max_kv_block_count:
         raise ValueError(f"block_table_src: shape {tuple(table.shape)}, expected "
                          f"[>= {count}, max_kv_block_count {geo.max_kv_block_count}]")
+    used = None if block_counts is None else as_block_counts(
+        geo, block_counts, count, geo.max_kv_block_count)
     if not on_device:
         check_rows_fit(table, count, geo.table_range, "block_table_src",
-                       "block_table_dtype", geo.block_table_dtype)
-    return count, padded, starts, table, on_device
+                       "block_table_dtype", geo.block_table_dtype, used)
+    return count, padded, starts, table, on_device, used
 
 
 def check_draft_blocks(geo: Geometry, target: ViewTarget, offsets: np.ndarray,
@@ -268,9 +276,12 @@ def check_draft_blocks(geo: Geometry, target: ViewTarget, offsets: np.ndarray,
 
 
 def raise_draft_block(geo: Geometry, target: ViewTarget, offsets: np.ndarray,
-                      table: np.ndarray, row: int) -> None:
+                      table: np.ndarray, row: int,
+                      counts: Optional[np.ndarray] = None) -> None:
     """Name the draft row whose written block the depth's kernel refused (``-2 - row``):
-    negative (unallocated) or past ``token_to_block_idx``."""
+    at or past its opt-in block count (``counts``, None without), negative
+    (unallocated) or past ``token_to_block_idx``."""
+    raise_past_count(geo, target, offsets, table, counts, row)
     column = int(offsets[row]) // geo.block_size_tokens
     _raise_written_block(_DRAFT_TABLE, int(table[row, column]), row, column,
                          f"draft row {row} (offset {int(offsets[row])})", target)
@@ -313,10 +324,15 @@ def check_prefill_lengths(geo: Geometry, append_counts: Any,
 
 def check_commit_inputs(geo: Geometry, target: ViewTarget, append_counts: Any,
                         block_table: Any, start_positions: Any, inherited_blocks: Any,
-                        padded_token_count: Any,
-                        padded_request_count: Any) -> CommitInputs:
+                        padded_token_count: Any, padded_request_count: Any,
+                        block_counts: Any = None) -> CommitInputs:
     """``setup_commit_pass``'s inputs, values included (a device tensor is read back
-    through the runtime: the documented sync)."""
+    through the runtime: the documented sync). ``block_counts`` (opt-in, host ints
+    ``[>= P]`` in ``[0, table width]``) needs a host ``block_table``; a token at or past
+    its request's count is refused."""
+    if block_counts is not None and geo.mirror and is_device_tensor(block_table,
+                                                                    geo.runtime):
+        refuse_device_table("block_table")
     if geo.mirror:  # (a meta tensor is left to as_host_ints, which names it)
         append_counts, block_table, start_positions, inherited_blocks = (
             geo.runtime.to_host(x) if is_device_tensor(x, geo.runtime)
@@ -337,8 +353,13 @@ def check_commit_inputs(geo: Geometry, target: ViewTarget, append_counts: Any,
         geo.block_size_tokens)
     if code:
         _raise_commit_status(geo, code, culprit, counts, starts, columns)
+    used = None
+    if block_counts is not None:
+        used = as_block_counts(geo, block_counts, num_prefill, table.shape[1])
+        check_commit_counts(geo, counts, starts, used)
     check_rows_fit(table, num_prefill, target.table_block_range, "block_table",
-                   "gpu_view.mha_block_table dtype", target.fields.mha_block_table.dtype)
+                   "gpu_view.mha_block_table dtype", target.fields.mha_block_table.dtype,
+                   used)
     # The written blocks and inherited counts: scanned by the commit kernel itself,
     # before its first write (raise_commit_block names a refusal).
     if total > target.max_tokens:
@@ -356,7 +377,7 @@ def check_commit_inputs(geo: Geometry, target: ViewTarget, append_counts: Any,
     padded_requests = max(min_padded, staged)
     _check_view_capacity(target, requests=padded_requests)
     return (counts, starts, table, inherited, total, padded_tokens, pad, min_padded,
-            padded_requests)
+            padded_requests, used)
 
 
 def raise_commit_block(geo: Geometry, target: ViewTarget, code: int, r: int,

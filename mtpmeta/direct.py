@@ -13,6 +13,7 @@ import numpy as np
 from . import captured, native
 from .buffers import PersistentBuffers
 from .gpu_view import ViewTarget
+from .block_counts import counted_commit
 from .inputs import kernel_optional
 
 __all__ = ["DirectBackend"]
@@ -38,22 +39,39 @@ class DirectBackend:
         self.host_block_table = self._block_table  # the same memory, as on the mirror
         self._query_lengths = buffers.query_lengths.numpy()  # [R] int32
         self._kv_lengths = buffers.kv_lengths.numpy()  # [R] int32
+        # The draft loop's block counts [R] int32: W for every row, or (after a begin
+        # with the opt-in block_counts) the counts it was given.
+        width = self._block_table.shape[1]
+        self._full_counts = np.full(max_requests, width, dtype=np.int32)
+        self._counts = np.zeros(max_requests, dtype=np.int32)
+        self.host_block_counts = self._full_counts
 
     # ------------------------------------------------------------------ draft loop
     def begin_decode(self, count: int, start_positions: np.ndarray,
-                     table_src: np.ndarray) -> bool:
+                     table_src: np.ndarray, block_counts: Optional[np.ndarray] = None
+                     ) -> bool:
         """Stage the draft loop; False (nothing written) when a start position is
-        negative or past the block table."""
-        if not native.draft_state.copy_decode_inputs(start_positions, table_src, count,
-                                                 self.block_size, self.host_offsets,
-                                                 self._block_table):
+        negative or past the block table. With ``block_counts`` row ``i`` takes its
+        first ``block_counts[i]`` columns and ``D`` after them."""
+        if block_counts is not None:
+            if not native.draft_state.copy_counted_inputs(
+                    start_positions, table_src, block_counts, count, self.block_size,
+                    self.dummy, self.host_offsets, self._block_table, self._counts):
+                return False
+            self.host_block_counts = self._counts
+        elif not native.draft_state.copy_decode_inputs(start_positions, table_src, count,
+                                                       self.block_size, self.host_offsets,
+                                                       self._block_table):
             return False
+        else:
+            self.host_block_counts = self._full_counts
         captured.stage_count(self._draft_count, count)  # a numpy write
         return True
 
     def begin_decode_for_capture(self, count: int) -> None:
         native.draft_state.fill_capture_state(self.host_offsets, self._block_table, count,
                                           self.dummy)
+        self.host_block_counts = self._full_counts
         captured.stage_count(self._draft_count, count)  # a numpy write
 
 
@@ -69,7 +87,8 @@ class DirectBackend:
         """One draft depth; the largest KV length, or (nothing written) -1 when an
         offset is negative or past the block table, ``-2 - i`` when row ``i`` writes a
         negative block or one past ``token_to_block_idx``."""
-        return native.staging.decode_step(self.host_offsets, self._block_table, count,
+        return native.staging.decode_step(self.host_offsets, self._block_table,
+                                          self.host_block_counts, count,
                                           padded, self.block_size, self.dummy,
                                           target.token_block_range[1], self._query_lengths,
                                           self._kv_lengths,
@@ -83,10 +102,19 @@ class DirectBackend:
     def commit_pass(self, target: ViewTarget, counts: np.ndarray,
                     starts: Optional[np.ndarray], table: np.ndarray,
                     inherited: Optional[np.ndarray], padded_tokens: int, pad_tokens: int,
-                    min_padded_requests: int, padded_requests: int
+                    min_padded_requests: int, padded_requests: int,
+                    block_counts: Optional[np.ndarray] = None
                     ) -> Tuple[int, int, int, int]:
         """The commit pass; ``(T, m, padded_requests, max_len)``, or (nothing written)
-        ``(-code, r, column, 0)`` for a bad written block (``native.staging.commit_pass``)."""
+        ``(-code, r, column, 0)`` for a bad written block (``native.staging.commit_pass``).
+        With ``block_counts``: ``mtpmeta.block_counts.counted_commit``."""
+        if block_counts is not None:
+            known = np.zeros(padded_requests + 1, dtype=np.int32)  # every column written
+            return counted_commit(
+                counts, starts, table, inherited, block_counts, padded_tokens, pad_tokens,
+                self.max_requests, min_padded_requests, self.block_size, self.dummy,
+                self._block_table.shape[1], target.token_block_range[1],
+                self._query_lengths, target.token_arrays, target.request_arrays, known, 0)
         return native.staging.commit_pass(
             counts, *kernel_optional(starts), table, *kernel_optional(inherited),
             padded_tokens, pad_tokens, self.max_requests, min_padded_requests,

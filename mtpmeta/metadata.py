@@ -282,7 +282,7 @@ class MTPMetadata(MetadataState, CapturedLoop, ViewWriters):
     # ---------------------------------------------------------------- draft loop
     def begin_decode(self, active_request_count: int, padded_count: int,
                      start_positions: Tensor, block_table_src: Tensor,
-                     graphed: bool, *, capture_setup: bool = False) -> None:
+                     graphed: bool, *, capture_setup: bool = False, block_counts: Any = None) -> None:
         """Stage the draft loop: copy (never alias) ``start_positions[:n]`` into
         ``offsets[:n]`` and ``block_table_src[:n]`` into ``block_table[:n]``; enter DRAFT.
 
@@ -310,7 +310,7 @@ class MTPMetadata(MetadataState, CapturedLoop, ViewWriters):
         copied on the device and are NOT value-checked (that would be a sync): an id that
         does not fit is converted as torch's ``copy_`` converts it (``check_invariants``
         flags it afterwards); the host then has no copy of the offsets and
-        ``ForwardShape.max_seqlen_k`` is None.
+        ``ForwardShape.max_seqlen_k`` is None. ``block_counts``: opt-in, contract §5.
         """
         backend = self._backend
         if backend is None:
@@ -318,11 +318,11 @@ class MTPMetadata(MetadataState, CapturedLoop, ViewWriters):
         if type(graphed) is not bool:
             graphed = check_flag(graphed, "graphed")
         geometry = self._geometry
-        count, padded, starts, table, on_device = check_begin_decode(
-            geometry, active_request_count, padded_count, start_positions, block_table_src)
+        count, padded, starts, table, on_device, used = check_begin_decode(geometry,
+            active_request_count, padded_count, start_positions, block_table_src, block_counts)
         after = self.last_forward  # for check_invariants: the forward before the loop
         if capture_setup:
-            self._begin_captured(backend, count, padded, starts, table, on_device)
+            self._begin_captured(backend, count, padded, starts, table, on_device, used)
             self._unchecked_table = None
             self._loop_after = after
             return
@@ -331,8 +331,8 @@ class MTPMetadata(MetadataState, CapturedLoop, ViewWriters):
             self._unchecked_table = (table, count)  # for check_invariants only
         else:
             if self._captured_ids != geometry.table_range:  # a graph may replay after
-                self._check_begin_ids(table, count)  # this begin: ids its views hold
-            if not backend.begin_decode(count, starts, table):  # bad start: no write
+                self._check_begin_ids(table, count, used)  # this begin: ids views hold
+            if not backend.begin_decode(count, starts, table, used):  # bad start: no write
                 raise_position_error(geometry, "start_positions", starts, count)
             self._unchecked_table = None
         self._enter_checked(count, padded, graphed)
@@ -451,7 +451,7 @@ class MTPMetadata(MetadataState, CapturedLoop, ViewWriters):
         max_kv = backend.decode_step(target, count, padded, self.graphed)
         if max_kv < -1:  # the kernel found a bad written block and wrote nothing
             raise_draft_block(self._geometry, target, backend.host_offsets,
-                              backend.host_block_table, -2 - max_kv)
+                              backend.host_block_table, -2 - max_kv, backend.host_block_counts)
         if max_kv < 0:  # the kernel found a bad offset and wrote nothing
             raise_position_error(self._geometry, "active_offsets", backend.host_offsets,
                                  count)
@@ -492,7 +492,7 @@ class MTPMetadata(MetadataState, CapturedLoop, ViewWriters):
     def setup_commit_pass(self, gpu_view: Any, append_counts: Tensor, block_table: Tensor,
                           *, start_positions: Optional[Tensor] = None,
                           inherited_blocks: Optional[Tensor] = None,
-                          padded_token_count: Optional[int] = None,
+                          padded_token_count: Optional[int] = None, block_counts: Any = None,
                           padded_request_count: Optional[int] = None) -> ForwardShape:
         """The whole varlen commit pass in one call; sets ``forward_mode = COMMIT``.
 
@@ -526,18 +526,18 @@ class MTPMetadata(MetadataState, CapturedLoop, ViewWriters):
         ``mha_block_table`` columns that lie wholly at or past ``start + count`` point at
         the dummy block (upstream copies the caller's row, -1 entries included).
         Example: BS 4, R 2, counts [3, 3], tables [[0, -1], [1, -1]], 8 tokens ->
-        lengths [3, 5], request 1 reads row [1, D].
+        lengths [3, 5], request 1 reads row [1, D]. ``block_counts``: opt-in, contract §5.
         """
         backend = self._require("setup_commit_pass")
         self._refuse_whole_annotations("setup_commit_pass", inherited_blocks)
         target = self._memo.target(gpu_view)
         (counts, starts, table, inherited, total, padded_tokens, pad, min_padded,
-         padded_requests) = check_commit_inputs(
+         padded_requests, used) = check_commit_inputs(
             self._geometry, target, append_counts, block_table, start_positions,
-            inherited_blocks, padded_token_count, padded_request_count)
+            inherited_blocks, padded_token_count, padded_request_count, block_counts)
         refused, staged, padded_requests, max_len = backend.commit_pass(
             target, counts, starts, table, inherited, padded_tokens, pad, min_padded,
-            padded_requests)
+            padded_requests, used)
         if refused < 0:  # a bad written block or inherited count: nothing written
             raise_commit_block(self._geometry, target, -refused, staged, padded_requests,
                                counts, starts, table, inherited)

@@ -61,6 +61,7 @@ from .errors import GraphCaptureError
 from .gpu_view import ViewTarget
 from .inputs import kernel_optional
 from .layout import PackedLayout, numpy_dtype
+from .mirror_counts import CountedStaging
 from .mirror_device import DeviceRoute
 from .mirror_staging import _ALIGN, ForwardStaging
 from .runtime import DeviceRuntime, StreamOrder, get_runtime
@@ -70,7 +71,7 @@ from .staging import StagingRing
 __all__ = ["MirrorBackend"]
 
 
-class MirrorBackend(ForwardStaging):
+class MirrorBackend(ForwardStaging, CountedStaging):
     """Pinned staging + async copies + device ops. See the module docstring."""
 
     mirror = True
@@ -129,6 +130,7 @@ class MirrorBackend(ForwardStaging):
                              .view(hidden.dtype).view(hidden.shape)
                              for slot in self._carry_ring.slots]
         self._init_forward_staging(max_requests, max_tokens, width, num_slots)
+        self._init_counts(max_requests, width)  # the opt-in block counts (mirror_counts)
         self.device_route = DeviceRoute(buffers, block_size=block_size, dummy=dummy,
                                         runtime=runtime)
         # Per-count views of the persistent buffers and begin slots: keys are a name (a
@@ -167,19 +169,25 @@ class MirrorBackend(ForwardStaging):
 
     # ---------------------------------------------------------------- draft loop
     def begin_decode(self, count: int, start_positions: np.ndarray,
-                     table_src: np.ndarray) -> bool:
+                     table_src: np.ndarray, block_counts: Optional[np.ndarray] = None
+                     ) -> bool:
         """Stage the draft loop; False (nothing written) when a start position is
-        negative or past the block table."""
+        negative or past the block table. With ``block_counts``: ``mirror_counts``."""
         self.refuse_capture("begin_decode")
         if not native.draft_state.offsets_in_table(start_positions, count, self.block_size,
                                                self.host_block_table.shape[1]):
             return False  # checked before a slot is taken: nothing written
         self.host_offsets_known = True
+        if block_counts is not None:
+            self._begin_counted(count, start_positions, table_src, block_counts)
+            return True
+        self.host_block_counts = self._full_counts
         ring = self._begin_ring
         slot = ring.acquire()
         head_np, table_np = self._begin_arrays[slot]
         native.draft_state.copy_decode_inputs(start_positions, table_src, count,
                                           self.block_size, head_np[1:], table_np)
+        self._packed_rows[slot] = 0  # the slot's packed rows (mirror_counts): rewritten
         # The device count too, in the same copy: a graph captured with capture_setup
         # (contract §12) replayed after this begin masks rows [n, padded) as pad rows.
         captured.stage_count(head_np, count)
@@ -204,6 +212,7 @@ class MirrorBackend(ForwardStaging):
         self.device_route.begin_decode(count, start_positions, table_src)
         self.buffers.draft_count.fill_(count)  # the device count (contract §12)
         self.host_offsets_known = False
+        self.host_block_counts = self._full_counts
         self._device_table_rows = 0  # the host never saw this table: nothing to reuse
 
     def begin_decode_for_capture(self, count: int) -> None:
@@ -211,6 +220,8 @@ class MirrorBackend(ForwardStaging):
         self.host_block_table = self._own_block_table  # never a slot a copy may read
         native.draft_state.fill_capture_state(self.host_offsets, self.host_block_table, count,
                                           self.dummy)
+        self._own_widths[:count] = 0  # those rows hold D in every column
+        self.host_block_counts = self._full_counts
         self.host_offsets_known = True
         self._prefix("offsets", self.buffers.offsets, 0, count).zero_()
         self._prefix("block_table", self.buffers.block_table, 0, count).fill_(self.dummy)
@@ -249,12 +260,13 @@ class MirrorBackend(ForwardStaging):
         if stage is None:
             slot, layout, token_args, request_args = self._shadow(target, padded, padded,
                                                                   0)
-        else:
-            slot = self._forward_ring.acquire()
+        else:  # writes the stage's bytes only (a counted commit's mark may survive)
+            slot = self._forward_ring.acquire(stage.layout.nbytes)
             token_args, request_args = stage.args(slot)
         max_kv = native.staging.decode_step_maps(
-            self.host_offsets, self.host_block_table, count, padded, self.block_size,
-            self.dummy, target.token_block_range[1], self._scratch_q, self._scratch_kv,
+            self.host_offsets, self.host_block_table, self.host_block_counts, count, padded,
+            self.block_size, self.dummy, target.token_block_range[1], self._scratch_q,
+            self._scratch_kv,
             *token_args, *request_args[:4])
         if max_kv < 0:  # a bad written block: the kernel wrote nothing, nothing ships
             self._forward_ring.release(slot)
@@ -290,9 +302,14 @@ class MirrorBackend(ForwardStaging):
     def commit_pass(self, target: ViewTarget, counts: np.ndarray,
                     starts: Optional[np.ndarray], table: np.ndarray,
                     inherited: Optional[np.ndarray], padded_tokens: int, pad_tokens: int,
-                    min_padded_requests: int, padded_requests: int
+                    min_padded_requests: int, padded_requests: int,
+                    block_counts: Optional[np.ndarray] = None
                     ) -> Tuple[int, int, int, int]:
         self.refuse_capture("setup_commit_pass")
+        if block_counts is not None:  # no reused rows; only the used columns ship
+            return self._commit_counted(target, counts, starts, table, inherited,
+                                        block_counts, padded_tokens, pad_tokens,
+                                        min_padded_requests, padded_requests)
         device_rows = self._rows_on_device(target, table, counts.shape[0], pad_tokens)
         stage = self._commit_stage(target)
         if stage is None or padded_tokens > stage.cap or padded_requests > stage.requests:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -161,15 +162,21 @@ class _FixedStage:
             self._counter[0] += 1
         return args
 
-    def _ship(self, slot: int, written: int) -> List[Tuple[_Prefixes, _Prefixes, int]]:
+    def _ship(self, slot: int, written: int, *,
+              packed_bytes: Optional[int] = None) -> List[Tuple[_Prefixes, _Prefixes, int]]:
         """Issue the H2D copy of ``slot`` up to ``written`` elements (rows) of the last
-        field; return the slot's roles ``(destination, source, group)``."""
-        end = self._end_base + written * self._end_item
-        h2d = self._h2d[slot].get(end)
-        if h2d is None:
+        field (or, with ``packed_bytes``, that many bytes of it: sliced per call, never
+        cached); return the slot's roles ``(destination, source, group)``."""
+        if packed_bytes is not None:
+            end = self._end_base + packed_bytes
             h2d = (self.ring.device_slots[slot][:end], self.ring.slots[slot][:end])
-            self._h2d[slot][end] = h2d
-            self._counter[0] += 1
+        else:
+            end = self._end_base + written * self._end_item
+            h2d = self._h2d[slot].get(end)
+            if h2d is None:
+                h2d = (self.ring.device_slots[slot][:end], self.ring.slots[slot][:end])
+                self._h2d[slot][end] = h2d
+                self._counter[0] += 1
         h2d[0].copy_(h2d[1], non_blocking=True)
         roles = self._roles[slot]
         if roles is None:
@@ -317,16 +324,22 @@ class CommitStage(_FixedStage):
                          cap, {"table": (table, device_table),
                                "query_lengths": (buffers.query_lengths, _LENGTHS[0])})
         self.requests = requests
+        self._whole_rows: Dict[Tuple[int, int], Tuple[Tensor, Tensor, int]] = {}
         words, group = _mode(table,
                              self.layout.tensors(ring.device_slots[0]).mha_block_table)
         self._rows_view = _Prefixes(table, words, self._counter)
         self._rows_src: List[Optional[_Prefixes]] = [None] * ring.num_slots
+        self._table_field = table  # the view's mha_block_table [R, W]
+        self._counted_groups: List[int] = []  # distinct groups of flush_counted rows
+        self._packed_src: List[Optional[Tensor]] = [None] * ring.num_slots
+        # A counted pass's packed rows per slot (mirror_counts): each row's count (the
+        # columns from it on hold D) and how many leading rows that holds for, valid
+        # while the ring's mark for the slot is packed_mark(C).
+        self.known = [np.zeros(requests + 1, dtype=np.int32) for _ in range(ring.num_slots)]
+        self.known_rows = [0] * ring.num_slots
         self._rows_words = words
         self._rows_group = self._group(group)
         self._seal()
-
-    def _extra_groups(self) -> List[int]:
-        return [self._rows_group]
 
     @classmethod
     def fitting(cls, target: ViewTarget, ring: Any, buffers: Any, max_requests: int,
@@ -372,3 +385,62 @@ class CommitStage(_FixedStage):
         self._place(roles, (tokens, tokens, real_tokens, real_tokens, real_tokens,
                             requests, requests, requests + 1, requests + 1, device_rows,
                             staged_count), extra)
+
+    def flush_counted(self, slot: int, tokens: int, real_tokens: int, requests: int,
+                      staged_count: int, columns: int, dummy_block: Tensor,
+                      minus_one: Tensor) -> None:
+        """Ship and place a commit pass with block counts (``mirror_counts``): the
+        shadow's table region holds the packed ``[staged_count, columns]`` rows; whole
+        rows ``[:staged_count]`` of ``D`` (skipped when ``columns`` is the width) and
+        ``[staged_count:requests]`` of -1 join the grouped copy, then one strided copy
+        lays the packed rows over ``[:staged_count, :columns]``. The caller records
+        the slot's fence after."""
+        last = len(self.layout.names) - 1
+        width = self.layout.shapes[last][1]
+        roles = self._ship(slot, 0, packed_bytes=staged_count * columns
+                           * self.layout.dtypes[last].itemsize)
+        extra = []
+        if columns < width and staged_count:
+            extra.append(self._whole(dummy_block, 0, staged_count, width))
+        if requests > staged_count:
+            extra.append(self._whole(minus_one, staged_count, requests, width))
+        self._place(roles, (tokens, tokens, real_tokens, real_tokens, real_tokens,
+                            requests, requests, requests + 1, requests + 1, 0,
+                            staged_count), extra)
+        if staged_count:
+            flat = self._packed_src[slot]
+            if flat is None:  # the slot's staged table region, flat: built once
+                flat = self.layout.tensors(self.ring.device_slots[slot]) \
+                    .mha_block_table.view(-1)
+                self._packed_src[slot] = flat
+                self._counter[0] += 1
+            source = flat[:staged_count * columns].view(staged_count, columns)
+            self._table_field[:staged_count, :columns].copy_(source, non_blocking=True)
+
+    def _extra_groups(self) -> List[int]:
+        return [self._rows_group] + self._counted_groups
+
+    def packed_mark(self, columns: int) -> tuple:
+        """The ring mark of a slot whose table region (from ``_end_base`` on) holds
+        this stage's packed rows at ``columns`` columns."""
+        return (self._end_base, self, columns)
+
+    def _whole(self, block: Tensor, start: int, stop: int,
+               width: int) -> Tuple[Tensor, Tensor, int]:
+        """``(view rows [start:stop], the block's first rows, group)``: whole rows from
+        a device block of one value, cached by ``(start, stop)`` and the block."""
+        key = (start, stop, block.data_ptr())
+        pair = self._whole_rows.get(key)
+        if pair is None:
+            dst = self._table_field[start:stop]
+            src = block[:(stop - start) * width].view(stop - start, width)
+            words, group = _mode(dst, src)
+            if words:
+                dst, src = word_view(dst), word_view(src)
+            pair = (dst, src, self._group(group))
+            if pair[2] not in self._counted_groups:
+                self._counted_groups.append(pair[2])
+            self._whole_rows[key] = pair
+            self._counter[0] += 1
+            self._seal()
+        return pair

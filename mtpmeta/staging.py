@@ -54,15 +54,25 @@ class StagingRing:
             torch.zeros((num_slots, max(slot_bytes, _ALIGN)), dtype=torch.uint8,
                         device=device) if device_twin else None)
         self._next = 0
+        # Per slot: ``(offset, owner)`` saying the slot's bytes from ``offset`` on are
+        # what ``owner`` last wrote there (None: unknown); see ``acquire``.
+        self.marks: List[Optional[tuple]] = [None] * num_slots
+        self.last_mark: Optional[tuple] = None
 
     @property
     def num_slots(self) -> int:
         return len(self.fences)
 
-    def acquire(self) -> int:
+    def acquire(self, written: Optional[int] = None) -> int:
+        """The next slot, after its fence. The caller writes the slot's bytes
+        ``[:written]`` (None: anywhere): a mark whose offset is at or past ``written``
+        survives, any other is dropped; ``last_mark`` is the slot's mark before."""
         slot = self._next
         self._next = (slot + 1) % len(self.fences)
         self.fences[slot].wait()
+        mark = self.last_mark = self.marks[slot]
+        if mark is not None and (written is None or written > mark[0]):
+            self.marks[slot] = None
         return slot
 
     def release(self, slot: int) -> None:

@@ -14,13 +14,16 @@ What the kernels check, and what they trust:
   ``draft_state.offsets_in_table`` (a bool), ``draft_state.matching_rows`` (a row count),
   ``checks.check_token_inputs`` and
   ``checks.check_commit_inputs`` (a ``staging`` code such as ``NEGATIVE_POSITION``
-  beside the culprit's index). ``checks.min_max`` only reduces. The wrappers in
+  beside the culprit's index), and for the opt-in block counts
+  ``checks.first_past_count`` / ``first_counted_outside``. ``checks.min_max`` only
+  reduces. The wrappers in
   ``mtpmeta`` turn a result into the ValueError/IndexError; the row scans are run by
   the row kernels themselves.
 * **Refusing writers** check their indices before the first write and, on a bad one,
   write nothing: ``rows.reset_rows`` / ``move_rows`` / ``swap_rows`` return the first
   row index outside ``[-R, R)`` (``K + i`` for ``dst[i]``) or -1 when done;
-  ``draft_state.copy_decode_inputs`` returns False and ``staging.decode_step`` -1 when an
+  ``draft_state.copy_decode_inputs`` (and ``copy_counted_inputs`` /
+  ``stage_counted_inputs``) returns False and ``staging.decode_step`` -1 when an
   offset is negative or its block column is ``>= W``.
 * **Everything else trusts its caller**: ``carry.*`` (``check_take`` returns a
   ``CARRY_*`` code for the state it is given), ``fill_capture_state``,
@@ -42,8 +45,9 @@ Modules:
     draft_state -- the draft loop's host state: begin copy, capture fill, advances, and
                    the rows of it a commit may reuse
     staging  -- draft-depth and commit-pass staging, token maps, MHA metadata
+    counts   -- a commit pass's table rows with the opt-in block counts
 """
 
-from . import carry, checks, draft_state, rows, staging
+from . import carry, checks, counts, draft_state, rows, staging
 
-__all__ = ["carry", "checks", "draft_state", "rows", "staging"]
+__all__ = ["carry", "checks", "counts", "draft_state", "rows", "staging"]

@@ -190,3 +190,46 @@ def first_bad_token_block(rows, positions, block_table, inherited, has_inherited
         if block < 0 or block > high:
             return BAD_WRITTEN_BLOCK, t
     return BLOCKS_OK, -1
+
+
+@njit(cache=True)
+def first_past_count(counts, starts, has_starts, block_counts, block_size):
+    """The opt-in block counts of a commit pass: the first request ``r`` with a token
+    whose block column is ``>= block_counts[r]`` (its span's last position, the spans
+    being consecutive), else -1. Spans must already be in the table
+    (``check_commit_inputs``). block_counts: int [>= P].
+
+    >>> counts, starts = np.array([2, 3]), np.array([7, 6])  # block size 8
+    >>> first_past_count(counts, starts, True, np.array([1, 2]), 8)  # 7..8: column 1
+    0
+    >>> first_past_count(counts, starts, True, np.array([2, 2]), 8)
+    -1
+    """
+    for r in range(counts.shape[0]):
+        count = np.int64(counts[r])
+        if count <= 0:
+            continue
+        start = np.int64(starts[r]) if has_starts else np.int64(0)
+        if (start + count - 1) // block_size >= block_counts[r]:
+            return r
+    return -1
+
+
+@njit(cache=True)
+def first_counted_outside(table, rows, block_counts, low, high):
+    """The first ``(row, column)`` with ``column < block_counts[row]``, ``row < rows``,
+    whose entry is outside the closed ``[low, high]``, else ``(-1, -1)``: the block-id
+    fit scan of the used columns only. table: int [>= rows, W].
+
+    >>> table = np.array([[1, 300], [2, 3]])
+    >>> first_counted_outside(table, 2, np.array([1, 2]), 0, 127)
+    (-1, -1)
+    >>> first_counted_outside(table, 2, np.array([2, 2]), 0, 127)
+    (0, 1)
+    """
+    for i in range(rows):
+        for col in range(block_counts[i]):
+            value = table[i, col]
+            if value < low or value > high:
+                return i, col
+    return -1, -1

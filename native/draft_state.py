@@ -107,3 +107,82 @@ def matching_rows(block_table, truth, count):
         if differs != 0:
             return i
     return count
+
+
+@njit(cache=True)
+def copy_counted_inputs(start_positions, table_src, block_counts, count, block_size,
+                        dummy, offsets, block_table, counts_out):
+    """``copy_decode_inputs`` with the opt-in block counts: row ``i`` of
+    ``block_table`` takes ``table_src[i, :block_counts[i]]`` and ``dummy`` at and past
+    the count (``table_src`` is never read there); ``counts_out[:count]`` takes the
+    counts. Returns False and writes nothing on a bad start (``offsets_in_table``).
+    block_counts: int [>= count], each in ``[0, W]`` (checked by the caller).
+
+    >>> offsets, table, used = np.zeros(2, np.int32), np.zeros((2, 3), np.int32), \\
+    ...     np.zeros(2, np.int32)
+    >>> src = np.array([[3, 4, 5], [6, 7, 8]])
+    >>> copy_counted_inputs(np.array([1, 9]), src, np.array([1, 2]), 2, 8, 99, offsets,
+    ...                     table, used)
+    True
+    >>> table.tolist(), used.tolist()
+    ([[3, 99, 99], [6, 7, 99]], [1, 2])
+    """
+    width = block_table.shape[1]
+    if not offsets_in_table(start_positions, count, block_size, width):
+        return False
+    for i in range(count):
+        offsets[i] = start_positions[i]
+        used = np.int64(block_counts[i])
+        counts_out[i] = used
+        for col in range(used):
+            block_table[i, col] = table_src[i, col]
+        for col in range(used, width):
+            block_table[i, col] = dummy
+    return True
+
+
+@njit(cache=True)
+def stage_counted_inputs(start_positions, table_src, block_counts, count, block_size,
+                         dummy, offsets, truth, truth_widths, packed, packed_widths,
+                         packed_rows, counts_out):
+    """The mirror path's begin with block counts, one pass over the used columns:
+    ``offsets``/``counts_out`` as ``copy_counted_inputs``; ``packed`` [>= count, C]
+    (the pinned slot, ``C`` columns per row) takes row ``i``'s used entries and
+    ``dummy`` up to ``C``; the host truth ``truth`` [R, W] takes them too. Both write
+    ``dummy`` only where it may be missing: over ``[block_counts[i], widths[i])``
+    (``truth_widths``, and ``packed_widths`` for the rows ``< packed_rows`` whose packed
+    row is known, else up to ``C``), then set the width to the count. So a step costs
+    O(used + changed) columns, not O(C) per row. Returns False and writes nothing on a
+    bad start. block_counts: int [>= count], each in ``[0, C]``.
+
+    >>> offsets, used, widths = np.zeros(2, np.int32), np.zeros(2, np.int32), \\
+    ...     np.array([3, 0], np.int32)
+    >>> truth, packed = np.array([[1, 1, 1], [99, 99, 99]]), np.zeros((2, 2), np.int64)
+    >>> known = np.zeros(2, np.int32)
+    >>> stage_counted_inputs(np.array([1, 9]), np.array([[3, 4, 5], [6, 7, 8]]),
+    ...                      np.array([1, 2]), 2, 8, 99, offsets, truth, widths, packed,
+    ...                      known, 0, used)
+    True
+    >>> truth.tolist(), packed.tolist(), widths.tolist(), known.tolist()
+    ([[3, 99, 99], [6, 7, 99]], [[3, 99], [6, 7]], [1, 2], [1, 2])
+    """
+    width = truth.shape[1]
+    columns = packed.shape[1]
+    if not offsets_in_table(start_positions, count, block_size, width):
+        return False
+    for i in range(count):
+        offsets[i] = start_positions[i]
+        used = np.int64(block_counts[i])
+        counts_out[i] = used
+        for col in range(used):
+            value = table_src[i, col]
+            packed[i, col] = value
+            truth[i, col] = value
+        stale = np.int64(packed_widths[i]) if i < packed_rows else np.int64(columns)
+        for col in range(used, stale):
+            packed[i, col] = dummy
+        packed_widths[i] = used
+        for col in range(used, np.int64(truth_widths[i])):
+            truth[i, col] = dummy
+        truth_widths[i] = used
+    return True

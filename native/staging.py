@@ -327,11 +327,11 @@ def write_mha_metadata(query_lengths, kv_lengths, count, block_table, num_table_
 
 # ----------------------------------------------------------------------- fused forwards
 @njit(cache=True, inline='always')
-def _draft_rows_status(offsets, block_table, count, block_size, high):
+def _draft_rows_status(offsets, block_table, block_counts, count, block_size, high):
     """One scan of a draft depth's rows: ``-2 - i`` for the first row ``i`` whose
-    written block is negative or above ``high`` (rows with a bad offset skipped, as
-    ``first_bad_draft_block``), else -1 when an offset is negative or past the table
-    (``offsets_in_table``), else 0."""
+    written block is negative or above ``high``, or whose column is at or past
+    ``block_counts[i]`` (rows with a bad offset skipped, as ``first_bad_draft_block``),
+    else -1 when an offset is negative or past the table (``offsets_in_table``), else 0."""
     width = block_table.shape[1]
     status = 0
     for i in range(count):
@@ -340,6 +340,8 @@ def _draft_rows_status(offsets, block_table, count, block_size, high):
         if position < 0 or column >= width:
             status = -1
             continue
+        if column >= block_counts[i]:
+            return -2 - i
         block = block_table[i, column]
         if block < 0 or block > high:
             return -2 - i
@@ -347,7 +349,8 @@ def _draft_rows_status(offsets, block_table, count, block_size, high):
 
 
 @njit(cache=True)
-def decode_step_maps(offsets, block_table, count, padded, block_size, dummy, high,
+def decode_step_maps(offsets, block_table, block_counts, count, padded, block_size, dummy,
+                     high,
                      query_lengths, kv_lengths, pos_ids, block_idx, local_pos, request_idx,
                      position_in_request, mha_query_lengths, mha_kv_seq_lengths,
                      mha_cu_query_seq_lengths, mha_cu_kv_seq_lengths):
@@ -357,25 +360,32 @@ def decode_step_maps(offsets, block_table, count, padded, block_size, dummy, hig
     the table's width: ``block_table`` is read once per token. Returns the largest KV
     length; without writing anything, ``-2 - i`` when row ``i``'s written block is
     negative (unallocated) or above ``high`` (``first_bad_draft_block``, the first such
-    row), else -1 when an offset is negative or past the table (``offsets_in_table``).
+    row) or its column is ``>= block_counts[i]`` (the opt-in block counts; ``W`` for
+    every row without them), else -1 when an offset is negative or past the table
+    (``offsets_in_table``).
     Both refusals are found in one scan of the offsets, before the first write.
 
-    offsets: int32 [R]; block_table: [R, W]; query/kv lengths: int32 [R]; the five token
-    outputs as in ``write_token_maps``, the four length outputs as in
-    ``write_mha_lengths``.
+    offsets: int32 [R]; block_table: [R, W]; block_counts: int [>= count]; query/kv
+    lengths: int32 [R]; the five token outputs as in ``write_token_maps``, the four
+    length outputs as in ``write_mha_lengths``.
 
     >>> lengths = np.zeros((2, 3), np.int32)  # the persistent query/kv lengths [R]
     >>> tokens = [np.zeros(4, np.int64)] + [np.zeros(4, np.int32) for _ in range(4)]
     >>> mha = [np.zeros(n, np.int32) for n in (3, 3, 4, 4)]
     >>> offsets, table = np.array([5, 11, 0], np.int32), np.array([[3, 4], [5, 6], [0, 0]])
-    >>> decode_step_maps(offsets, table, 2, 3, 8, 99, 127, *lengths, *tokens, *mha)
+    >>> full = np.full(3, 2, np.int32)  # every row uses both columns
+    >>> decode_step_maps(offsets, table, full, 2, 3, 8, 99, 127, *lengths, *tokens, *mha)
     12
     >>> tokens[1].tolist(), tokens[2].tolist(), mha[3].tolist()  # block, local, cu_kv
     ([3, 6, 99, 0], [5, 3, 0, 0], [0, 6, 18, 18])
-    >>> decode_step_maps(offsets, table, 2, 3, 8, 99, 5, *lengths, *tokens, *mha)  # 6 > 5
+    >>> decode_step_maps(offsets, table, full, 2, 3, 8, 99, 5, *lengths, *tokens, *mha)
+    -3
+    >>> decode_step_maps(offsets, table, np.array([1, 1]), 2, 3, 8, 99, 127, *lengths,
+    ...                  *tokens, *mha)  # row 1 writes column 1, past its count 1
     -3
     """
-    status = _draft_rows_status(offsets, block_table, count, block_size, high)
+    status = _draft_rows_status(offsets, block_table, block_counts, count, block_size,
+                                high)
     if status < 0:
         return status
     for t in range(count):
@@ -390,7 +400,7 @@ def decode_step_maps(offsets, block_table, count, padded, block_size, dummy, hig
 
 
 @njit(cache=True)
-def decode_step(offsets, block_table, count, padded, block_size, dummy, high,
+def decode_step(offsets, block_table, block_counts, count, padded, block_size, dummy, high,
                 query_lengths, kv_lengths, pos_ids, block_idx, local_pos, request_idx,
                 position_in_request, mha_query_lengths, mha_kv_seq_lengths, mha_cu_query_seq_lengths,
                 mha_cu_kv_seq_lengths, mha_block_table):
@@ -398,19 +408,22 @@ def decode_step(offsets, block_table, count, padded, block_size, dummy, high,
     (``block_table[:n]``, then -1 rows to ``padded``). Returns the largest KV length, or
     a refusal of ``decode_step_maps`` (-1, ``-2 - i``) without writing anything.
 
-    offsets: int32 [R]; block_table: [R, W]; query/kv lengths: int32 [R]; the ten view
-    outputs as in ``write_token_maps`` / ``write_mha_metadata``.
+    offsets: int32 [R]; block_table: [R, W]; block_counts: int [>= count] (as in
+    ``decode_step_maps``); query/kv lengths: int32 [R]; the ten view outputs as in
+    ``write_token_maps`` / ``write_mha_metadata``.
 
     >>> lengths = np.zeros((2, 3), np.int32)  # the persistent query/kv lengths [R]
     >>> tokens = [np.zeros(4, np.int64)] + [np.zeros(4, np.int32) for _ in range(4)]
     >>> mha = [np.zeros(n, np.int32) for n in (3, 3, 4, 4)] + [np.zeros((3, 2), np.int32)]
     >>> offsets, table = np.array([5, 11, 0], np.int32), np.array([[3, 4], [5, 6], [0, 0]])
-    >>> decode_step(offsets, table, 2, 3, 8, 99, 127, *lengths, *tokens, *mha)
+    >>> full = np.full(3, 2, np.int32)
+    >>> decode_step(offsets, table, full, 2, 3, 8, 99, 127, *lengths, *tokens, *mha)
     12
     >>> tokens[1].tolist(), tokens[2].tolist(), mha[3].tolist()  # block, local, cu_kv
     ([3, 6, 99, 0], [5, 3, 0, 0], [0, 6, 18, 18])
     """
-    max_kv = decode_step_maps(offsets, block_table, count, padded, block_size, dummy, high,
+    max_kv = decode_step_maps(offsets, block_table, block_counts, count, padded, block_size,
+                              dummy, high,
                               query_lengths, kv_lengths, pos_ids, block_idx, local_pos,
                               request_idx, position_in_request, mha_query_lengths,
                               mha_kv_seq_lengths, mha_cu_query_seq_lengths,
@@ -453,8 +466,9 @@ def commit_pass(counts, starts, has_starts, block_table, inherited, has_inherite
     When request ``P - 1`` absorbs the pad (``m == P``, ``pad_tokens > 0``) its block row
     is then cut back with ``dummy_past_span``. Block rows below ``first_table_row`` are
     not written and ``mha_block_table`` holds rows from ``first_table_row`` on
-    (``write_mha_block_rows``); the caller keeps ``first_table_row <= P - 1`` when the
-    last request absorbs the pad, and ``0`` means every row.
+    (``write_mha_block_rows``); ``0`` means every row, and a ``first_table_row`` past
+    the last request writes no row (the opt-in block counts' writer,
+    ``counts.write_counted_rows``, then writes them, the pad cut included).
 
     First, before anything is written, the blocks the tokens write are scanned
     (``first_bad_commit_block`` with ``width`` and ``high``): on a bad one it returns
@@ -477,7 +491,7 @@ def commit_pass(counts, starts, has_starts, block_table, inherited, has_inherite
                                    mha_cu_query_seq_lengths, mha_cu_kv_seq_lengths)
     write_mha_block_rows(block_table, num_prefill, staged, padded_requests, dummy,
                          first_table_row, mha_block_table)
-    if pad_tokens > 0 and staged == num_prefill:
+    if pad_tokens > 0 and staged == num_prefill and num_prefill - 1 >= first_table_row:
         last = num_prefill - 1
         start = np.int64(starts[last]) if has_starts else np.int64(0)
         dummy_past_span(mha_block_table, last - first_table_row, start + counts[last],

@@ -211,3 +211,26 @@ def test_asv_discovers_the_trace_trackers():
             "trace.TrackTraceHostShare.track_captured_over_reference_meta",
             "trace.TrackTraceHostShare.track_mirror_over_reference_launch_estimate"
             } <= set(found)
+
+
+def test_agreement_check_covers_the_block_count_rows(standard, monkeypatch):
+    """The trace carries each row's block count (its leading non-negative entries),
+    and check_trace replays the counted paths against the reference on the table with
+    the dummy block past the counts: a counted mirror replay given another table at
+    step 3 is caught, and named."""
+    table = torch.full((STANDARD_TRACE.max_requests, STANDARD_TRACE.block_columns), -1,
+                       dtype=torch.int32)
+    for step in standard[:10]:
+        table[step.table_rows] = step.table_values
+        assert torch.equal((table >= 0).sum(1).int(), step.block_counts)
+    prepare = Replay.prepare
+
+    def planting(self, index, step):
+        prepare(self, index, step)
+        if self.path == "mirror" and self.counts and index == 3:
+            valid = int(step.block_counts[0])
+            self.table[0, :valid] = self.table[0, :valid].flip(0).clone()
+
+    monkeypatch.setattr(Replay, "prepare", planting)
+    message = check_trace(STANDARD_TRACE, standard[:5], paths=())
+    assert message is not None and "mirror, block counts" in message, message

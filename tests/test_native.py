@@ -25,7 +25,7 @@ CASES = 40  # random cases per test: enough to hit every branch, cheap under JIT
 DUMMY = 7777  # never a table entry, so a dummy write cannot pass for a table read
 INDEX_DTYPES = (np.int32, np.int64)
 NATIVE_MODULES = (native.rows, native.carry, native.checks, native.draft_state,
-                  native.staging)
+                  native.staging, native.counts)
 # Public kernels without an example of their own, and where they are shown instead.
 WITHOUT_EXAMPLE = {
     "mtpmeta.native.carry.invalidate": "walked through in check_take's example",
@@ -281,8 +281,9 @@ def test_decode_step_matches_naive_and_refuses_offsets_past_the_table(rng):
         offsets, table, count, padded, block_size, q, kv, view, high = decode_case(rng)
         want_max, want_q, want_kv, want_view = naive.decode_step(
             offsets, table, count, padded, block_size, DUMMY, high, q, kv, view)
-        got_max = native.staging.decode_step(offsets, table, count, padded, block_size,
-                                             DUMMY, high, q, kv, *view)
+        full = np.full(max(count, 1), table.shape[1], np.int32)  # no block counts
+        got_max = native.staging.decode_step(offsets, table, full, count, padded,
+                                             block_size, DUMMY, high, q, kv, *view)
         assert got_max == want_max
         assert_same([q, kv] + view, [want_q, want_kv] + want_view)
         refused += got_max < 0
@@ -301,7 +302,8 @@ def test_decode_step_maps_equals_decode_step_without_touching_a_table(rng):
         want_max, want_q, want_kv, want_view = naive.decode_step(
             offsets, table, count, padded, block_size, DUMMY, high, q, kv, view)
         table_before = view[9].copy()
-        got_max = native.staging.decode_step_maps(offsets, table, count, padded,
+        full = np.full(max(count, 1), table.shape[1], np.int32)  # no block counts
+        got_max = native.staging.decode_step_maps(offsets, table, full, count, padded,
                                                   block_size, DUMMY, high, q, kv, *view[:9])
         assert got_max == want_max
         assert_same([q, kv] + view[:9], [want_q, want_kv] + want_view[:9])

@@ -118,3 +118,55 @@ def test_builds_stop_after_warm_up_and_views_match(monkeypatch, kind, table_dtyp
     assert counts[0] > 0  # the warm-up did build (the counter sees builds)
     assert meta._backend.fence_stalls == 0
     assert counts[1] == counts[2] == 0, counts
+
+
+def test_counted_calls_stop_building_after_warm_up(monkeypatch):
+    """The opt-in block counts (issue 24 item 4) at W 40: begins and commit passes
+    with per-row counts (every row 1..8 blocks, so the shipped width C is 8 or 16 of
+    40) build nothing after a warm-up of 500 random steps, over 200 more; the views
+    and buffers equal the reference's on the table with D past the counts."""
+    width, dummy = 40, config()["dummy_block_idx"]
+    kwargs = dict(max_requests=R, max_kv_block_count=width, block_size_tokens=BS)
+    meta = MTPMetadata(**config(**kwargs))
+    meta.allocate("cpu", mirror=True, max_tokens=TOKENS)
+    ref = make_reference(**kwargs)
+    view, ref_view = make_view("context", R, TOKENS, width), \
+        make_view("reference", R, TOKENS, width)
+    target = meta._memo.target(view)
+    builds = Builds(monkeypatch, (target.plans, meta._backend._slices))
+    rng = np.random.default_rng(1)
+    counts_seen = []
+    for steps in (500, 200):
+        before = builds.count + builds.stages(target)
+        for _ in range(steps):
+            n = int(rng.integers(3, 6))
+            padded = n + int(rng.integers(0, 2))
+            used = rng.integers(1, 9, size=R).astype(np.int32)
+            used[:n] = np.maximum(used[:n], 3)  # depths write columns 0..2
+            starts = rng.integers(0, 2 * BS, size=n).astype(np.int32)
+            table = rng.permutation(R * width).reshape(R, width).astype(np.int32)
+            oracle = table.copy()
+            for i in range(R):
+                table[i, used[i]:] = -1
+                oracle[i, used[i]:] = dummy
+            spans = np.ones(n, dtype=np.int32)  # as _step: one row's span 1..3
+            spans[-1] = rng.integers(1, 4)
+            commit_starts = rng.integers(0, 2 * BS, size=n).astype(np.int32)
+            padded_tokens = int(spans.sum()) + int(rng.integers(0, 2))
+            padded_requests = n + int(rng.integers(0, 2))
+            for o, target_view, t, extra in ((meta, view, table, {"block_counts": used}),
+                                             (ref, ref_view, oracle, {})):
+                o.begin_decode(n, padded, starts, t, False, **extra)
+                for _ in range(2):
+                    o.setup_decode_step(target_view)
+                    o.advance_decode_step()
+                o.end_forward()
+                o.setup_commit_pass(target_view, spans, t, start_positions=commit_starts,
+                                    padded_token_count=padded_tokens,
+                                    padded_request_count=padded_requests, **extra)
+                o.end_forward()
+        counts_seen.append(builds.count + builds.stages(target) - before)
+        assert_views_equal(view, ref_view)
+        assert_buffers_equal(meta, ref)
+    assert counts_seen[0] > 0
+    assert counts_seen[1] == 0, counts_seen

@@ -20,7 +20,10 @@ generation is never timed. The model, per step, in engine order:
 * the draft loop of the ``n`` decode requests, graphed at ``padded = round_up(n, 8)``.
 
 Table changes are stored as the rows they set (``table_rows``, ``table_values``), to
-be applied to the replay's own ``[R, W]`` host table before the step's calls.
+be applied to the replay's own ``[R, W]`` host table before the step's calls. Each
+step also carries every row's block count (``block_counts``: the blocks the engine
+gave the row, its leading non-negative entries), for the opt-in ``block_counts=`` of
+``begin_decode`` / ``setup_commit_pass`` (contract §5).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from ..layout import round_up
 from .workload import StepConfig
 
 __all__ = ["TraceConfig", "TraceStep", "STANDARD_TRACE", "PRODUCTION_TRACE",
-           "make_trace", "trace_shape_stats"]
+           "PRODUCTION_WIDE_TRACE", "make_trace", "trace_shape_stats"]
 
 _BUCKET = 8  # CUDA-graph buckets and the TP token multiple
 
@@ -61,6 +64,7 @@ class TraceConfig:
     prefix_hit_rate: float = 0.4
     swap_rate: float = 0.3
     hidden_size: int = 64
+    pool_columns: int = 0  # the block pool holds R * this (0: block_columns) blocks
 
     def step_config(self) -> StepConfig:
         """The ``StepConfig`` whose objects hold every step of the trace."""
@@ -76,6 +80,11 @@ PRODUCTION_TRACE = TraceConfig(max_requests=1024, block_columns=2048, block_size
                                chunk_tokens=1024, prompt_median=400.0,
                                output_median=3000.0, context_median=3000.0,
                                arrival_rate=1.8)
+#: The production traffic on a table 4x as wide (W 8192): the same block pool (so the
+#: same random draws) and the same requests, whose lengths stay far below either
+#: width, so only the table's width changes.
+PRODUCTION_WIDE_TRACE = TraceConfig(**{**PRODUCTION_TRACE.__dict__, "block_columns": 8192,
+                                       "pool_columns": PRODUCTION_TRACE.block_columns})
 
 
 @dataclass
@@ -99,6 +108,7 @@ class TraceStep:
     active: int  # n, decode requests of the draft loop
     padded: int  # round_up(n, 8)
     start_positions: torch.Tensor  # [n] int32, slice of [R]
+    block_counts: torch.Tensor  # [R] int32: each row's blocks (leading entries >= 0)
 
     @property
     def token_count(self) -> int:
@@ -120,8 +130,9 @@ class _Engine:
     def __init__(self, config: TraceConfig, rng: np.random.Generator) -> None:
         self.c, self.rng = config, rng
         R, W = config.max_requests, config.block_columns
-        self.free = rng.permutation(R * W).tolist()
+        self.free = rng.permutation(R * (config.pool_columns or W)).tolist()
         self.table = np.full((R, W), -1, dtype=np.int32)
+        self.counts = np.zeros(R, dtype=np.int32)  # blocks of each row of the table
         self.dirty: set = set()
         self.decode: List[_Request] = []
         self.paused: List[_Request] = []  # paused[j] sits at row R - 1 - j
@@ -144,7 +155,8 @@ class _Engine:
         return request
 
     def set_row(self, row: int, request: Optional[_Request]) -> None:
-        self.table[row] = -1
+        self.table[row, :self.counts[row]] = -1
+        self.counts[row] = 0 if request is None else len(request.blocks)
         if request is not None:
             self.table[row, :len(request.blocks)] = request.blocks
         self.dirty.add(row)
@@ -157,6 +169,7 @@ class _Engine:
             return
         request.blocks.extend(self.free.pop() for _ in range(need - have))
         self.table[row, have:need] = request.blocks[have:need]
+        self.counts[row] = need
         self.dirty.add(row)
 
     def seed_batch(self) -> None:
@@ -307,7 +320,8 @@ def _step(engine: _Engine, bucket: int) -> TraceStep:
         padded_tokens=round_up(tokens, bucket),
         padded_requests=min(round_up(P, bucket), R),
         carry=carry, active=n, padded=round_up(n, bucket),
-        start_positions=torch.from_numpy(draft_starts)[:n])
+        start_positions=torch.from_numpy(draft_starts)[:n],
+        block_counts=torch.from_numpy(engine.counts.copy()))
 
 
 def make_trace(config: TraceConfig = STANDARD_TRACE, steps: Optional[int] = None,

@@ -28,8 +28,8 @@ import torch
 
 from ..runtime import use_runtime
 from .meta_device import cpp_meta_kernels, meta_setup_report, micro_us
-from .trace import PRODUCTION_TRACE, STANDARD_TRACE, TraceConfig, TraceStep, make_trace, \
-    trace_shape_stats
+from .trace import PRODUCTION_TRACE, PRODUCTION_WIDE_TRACE, STANDARD_TRACE, TraceConfig, \
+    TraceStep, make_trace, trace_shape_stats
 from .trace_replay import CountingRuntime, DeviceOpCounter, Replay, device_inputs, \
     known_syncs
 
@@ -37,20 +37,29 @@ __all__ = ["LAUNCH_US", "ROWS", "measure_trace", "format_trace", "trace_geometri
            "run_trace"]
 
 LAUNCH_US = 4.0  # the CUDA driver's launch cost per device data op, for the estimate
-#: (label, path, device, device inputs)
-ROWS = (("reference", "reference", "meta", False), ("mirror", "mirror", "meta", False),
-        ("captured", "captured", "meta", False), ("reference", "reference", "cpu", False),
-        ("direct", "direct", "cpu", False), ("mirror", "mirror", "cpu", False),
-        ("captured", "captured", "cpu", False))
-DEVICE_ROWS = (("reference, device inputs", "reference", "meta", True),
-               ("mirror, device inputs", "mirror", "meta", True),
-               ("drop-in, device inputs", "drop-in", "meta", True))
+#: (label, path, device, device inputs, block counts)
+ROWS = (("reference", "reference", "meta", False, False),
+        ("mirror", "mirror", "meta", False, False),
+        ("captured", "captured", "meta", False, False),
+        ("mirror, block counts", "mirror", "meta", False, True),
+        ("captured, block counts", "captured", "meta", False, True),
+        ("reference", "reference", "cpu", False, False),
+        ("direct", "direct", "cpu", False, False), ("mirror", "mirror", "cpu", False, False),
+        ("captured", "captured", "cpu", False, False))
+DEVICE_ROWS = (("reference, device inputs", "reference", "meta", True, False),
+               ("mirror, device inputs", "mirror", "meta", True, False),
+               ("drop-in, device inputs", "drop-in", "meta", True, False))
+#: The production trace at W 8192 (issue 24 item 4: host cost that follows the blocks
+#: in use): meta rows only.
+WIDE_ROWS = ROWS[:4]
 
 
 def trace_geometries(quick: bool) -> Dict[str, tuple]:
     """``{name: (TraceConfig, steps)}``: full length, or short with ``quick``."""
     return {"standard": (STANDARD_TRACE, 40 if quick else STANDARD_TRACE.steps),
-            "production": (PRODUCTION_TRACE, 12 if quick else PRODUCTION_TRACE.steps)}
+            "production": (PRODUCTION_TRACE, 12 if quick else PRODUCTION_TRACE.steps),
+            "production W 8192": (PRODUCTION_WIDE_TRACE,
+                                  6 if quick else PRODUCTION_WIDE_TRACE.steps)}
 
 
 def _percentile(values: List[float], q: float) -> float:
@@ -85,14 +94,15 @@ def _counts(replay: Replay, trace: List[TraceStep]) -> Dict[str, Any]:
 
 
 def _runtime_calls(path: str, config: TraceConfig, trace: List[TraceStep],
-                   device: str, on_device: bool,
-                   known: Optional[List[List[int]]]) -> Optional[Dict[str, float]]:
+                   device: str, on_device: bool, known: Optional[List[List[int]]],
+                   counts: bool = False) -> Optional[Dict[str, float]]:
     if path not in ("mirror", "captured", "drop-in") or device == "cpu":
         return None
     runtime = CountingRuntime()
     with use_runtime(runtime):
         replay = Replay(path, config, torch.device(device),
-                        table_device=device if on_device else "cpu", known=known)
+                        table_device=device if on_device else "cpu", known=known,
+                        counts=counts)
     replay.replay(trace)
     calls = {kind: count / len(trace) for kind, count in runtime.calls.items()}
     calls["total"] = sum(calls.values())
@@ -100,12 +110,14 @@ def _runtime_calls(path: str, config: TraceConfig, trace: List[TraceStep],
 
 
 def measure_trace(config: TraceConfig, steps: int, *, repeats: int = 5, seed: int = 0,
-                  device_route: bool = False) -> Dict[str, Any]:
-    """Time and count every row over a ``steps``-step trace (see the module docstring)."""
+                  device_route: bool = False, rows: Optional[tuple] = None
+                  ) -> Dict[str, Any]:
+    """Time and count every row (default ``ROWS``) over a ``steps``-step trace (see
+    the module docstring)."""
     torch.set_num_threads(1)
     trace = make_trace(config, steps, seed=seed)
     known = known_syncs(config, trace)
-    rows = ROWS + (DEVICE_ROWS if device_route else ())
+    rows = (ROWS if rows is None else rows) + (DEVICE_ROWS if device_route else ())
     meta_trace = device_inputs(trace, "meta") if device_route else trace
     result: Dict[str, Any] = {
         "geometry": {"R": config.max_requests, "W": config.block_columns,
@@ -114,13 +126,13 @@ def measure_trace(config: TraceConfig, steps: int, *, repeats: int = 5, seed: in
     with cpp_meta_kernels() as info:
         result["micro_us_cpp_meta"] = micro_us()
         replays, inputs = {}, {}
-        for label, path, device, on_device in rows:
+        for label, path, device, on_device, with_counts in rows:
             key = f"{label} @{device}"
             replays[key] = Replay(path, config, torch.device(device),
                                   table_device=device if on_device else "cpu",
                                   known=known if (path in ("reference", "drop-in")
                                                   and device == "meta")
-                                  else None)
+                                  else None, counts=with_counts)
             inputs[key] = meta_trace if on_device else trace
         counts, used = {}, set()
         for key, replay in replays.items():  # warm (JIT, plans), then count
@@ -140,13 +152,15 @@ def measure_trace(config: TraceConfig, steps: int, *, repeats: int = 5, seed: in
             for index in rng.permutation(len(order)):
                 key = order[index]
                 samples[key].append(_timed_pass(replays[key], inputs[key]))
-        for (label, path, device, on_device), key in zip(rows, replays):
+        for (label, path, device, on_device, with_counts), key in zip(rows, replays):
             per_step = [statistics.median(s) for s in zip(*samples[key])]
             row = {"label": label, "path": path, "device": device,
                    "device_inputs": on_device, "median_us": statistics.median(per_step),
                    "p90_us": _percentile(per_step, 90), **counts[key],
+                   "block_counts": with_counts,
                    "runtime_calls": _runtime_calls(path, config, inputs[key], device,
-                                                   on_device, replays[key].known)}
+                                                   on_device, replays[key].known,
+                                                   with_counts)}
             if device == "meta":
                 row["launch_estimate_us"] = (row["median_us"]
                                              + LAUNCH_US * row["device_data_ops"])
@@ -173,17 +187,26 @@ def run_trace(args: Any) -> int:
 
     out: Dict[str, Any] = {}
     for name, (config, steps) in trace_geometries(args.quick).items():
-        mismatch = check_trace(config, make_trace(config, steps, seed=args.seed))
+        wide = config is PRODUCTION_WIDE_TRACE  # the check's CPU replays: a few steps
+        if wide:  # the mirror path only, with and without counts (memory, time)
+            mismatch = check_trace(config, make_trace(config, 4, seed=args.seed),
+                                   paths=("mirror",), counts=("mirror",))
+        else:
+            mismatch = check_trace(config, make_trace(config, steps, seed=args.seed))
         if mismatch:
             print(f"mtpmeta bench: RESULTS DIFFER ({name} trace): {mismatch}",
                   file=sys.stderr)
             return 1
-        print(f"{name} trace: direct, mirror, captured and the drop-in leave the "
-              f"reference's view "
-              f"and buffers on all {steps} steps (CPU)")
+        print(f"{name} trace: " + (
+            "mirror, with and without block counts, leaves the reference's view and "
+            "buffers on the first 4 steps (CPU)" if wide
+            else f"direct, mirror, captured and the drop-in, and the first three with "
+            f"block counts, leave the reference's view and buffers on all {steps} steps "
+            "(CPU)"))
         out[name] = measure_trace(config, steps, repeats=args.repeats or
                                   (2 if args.quick else 5), seed=args.seed,
-                                  device_route=name == "standard")
+                                  device_route=name == "standard",
+                                  rows=WIDE_ROWS if wide else None)
         print(format_trace(name, out[name]))
     if args.json:
         with open(args.json, "w") as handle:

@@ -17,7 +17,7 @@ from a CPU replay of the same trace, and counts them (``patched``). Its
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -97,14 +97,20 @@ def _build(path: str, config: TraceConfig, device: torch.device):
 class Replay:
     """One path (``reference``, ``direct``, ``mirror``, ``captured``, ``drop-in``) on
     ``device``,
-    replaying trace steps with the table on ``table_device`` (default: the host)."""
+    replaying trace steps with the table on ``table_device`` (default: the host).
+
+    ``counts``: the calls pass the step's ``block_counts`` (the opt-in of contract §5);
+    ``masked``: the table holds the dummy block instead of -1 past each row's blocks,
+    what a call with counts must equal (``check_trace``'s oracle for those rows)."""
 
     def __init__(self, path: str, config: TraceConfig, device: torch.device,
                  table_device: str = "cpu", known: Optional[List[List[int]]] = None,
-                 depths: bool = False) -> None:
+                 depths: bool = False, counts: bool = False, masked: bool = False) -> None:
         self.path, self.config = path, config
         self.meta, self.view = _build(path, config, device)
-        self.table = torch.full((config.max_requests, config.block_columns), -1,
+        self.counts = counts
+        self.empty = self.meta.dummy_block_idx if masked else -1  # past the blocks
+        self.table = torch.full((config.max_requests, config.block_columns), self.empty,
                                 dtype=torch.int32)
         self.draft_table = (self.table if table_device == "cpu" else
                             self.table.to(table_device))  # begin_decode's
@@ -113,14 +119,17 @@ class Replay:
         self.depths = depths or not self.captured
 
     def reset(self) -> None:
-        self.table.fill_(-1)
+        self.table.fill_(self.empty)
         if self.draft_table is not self.table:
-            self.draft_table.fill_(-1)
+            self.draft_table.fill_(self.empty)
 
     def prepare(self, index: int, step: TraceStep) -> None:
         """Untimed: this step's table rows, and the reference's known read-backs."""
         if step.table_rows.numel():
-            self.table[step.table_rows] = step.table_values
+            values = step.table_values
+            if self.empty != -1:
+                values = values.masked_fill(values < 0, self.empty)
+            self.table[step.table_rows] = values
             if self.draft_table is not self.table:
                 device = self.draft_table.device
                 self.draft_table[step.table_rows.to(device)] = step.table_values.to(device)
@@ -137,20 +146,22 @@ class Replay:
             meta.reset_request_rows(step.reset_rows)
         if step.take is not None:
             meta.take_chunk_boundary(*step.take)
+        extra = {"block_counts": step.block_counts} if self.counts else {}
         meta.setup_commit_pass(view, step.append_counts, table,
                                start_positions=step.commit_starts,
                                inherited_blocks=step.inherited,
                                padded_token_count=step.padded_tokens,
-                               padded_request_count=step.padded_requests)
+                               padded_request_count=step.padded_requests, **extra)
         meta.end_forward()
         if step.carry is not None:
             meta.carry_chunk_boundary(*step.carry)
         table = self.draft_table
         if self.captured:
             meta.begin_decode(step.active, step.padded, step.start_positions, table, True,
-                              capture_setup=True)
+                              capture_setup=True, **extra)
         else:
-            meta.begin_decode(step.active, step.padded, step.start_positions, table, True)
+            meta.begin_decode(step.active, step.padded, step.start_positions, table, True,
+                              **extra)
         if self.depths:
             for _ in range(self.config.depths):
                 meta.setup_decode_step(view)
@@ -258,13 +269,22 @@ class CountingRuntime(TorchRuntime):
             self.calls["record_stream"] += 1
 
 
-def check_trace(config: TraceConfig, trace: List[TraceStep]) -> Optional[str]:
-    """Replay ``trace`` on the CPU through the reference, the direct, the mirror and
-    the captured path (its depths run eagerly) and the drop-in; describe the first step where one's
-    view or persistent buffers differ from the reference's, or None."""
+def check_trace(config: TraceConfig, trace: List[TraceStep],
+                paths: Tuple[str, ...] = ("direct", "mirror", "captured", "drop-in"),
+                counts: Tuple[str, ...] = ("direct", "mirror", "captured")
+                ) -> Optional[str]:
+    """Replay ``trace`` on the CPU through the reference and ``paths`` (the captured
+    path's depths run eagerly), and the ``counts`` paths with block counts, against the reference on the table with the dummy block
+    past the counts. Describe the first step where one's view or persistent buffers
+    differ from its reference's, or None."""
     cpu = torch.device("cpu")
     replays = {path: Replay(path, config, cpu, depths=True)
-               for path in ("reference", "direct", "mirror", "captured", "drop-in")}
+               for path in ("reference",) + paths}
+    if counts:
+        replays["reference, masked"] = Replay("reference", config, cpu, masked=True)
+        for path in counts:
+            replays[f"{path}, block counts"] = Replay(path, config, cpu, depths=True,
+                                                      counts=True)
     for replay in replays.values():
         replay.reset()
     for index, step in enumerate(trace):
@@ -273,9 +293,12 @@ def check_trace(config: TraceConfig, trace: List[TraceStep]) -> Optional[str]:
             replay.prepare(index, step)
             replay.run(step)
             states[path] = state_of(replay.meta, replay.view)
-        expected = states["reference"]
         for path, state in states.items():
-            lengths = _captured_lengths(step) if path == "captured" else {}
+            if path.startswith("reference"):
+                continue
+            expected = states["reference, masked" if replays[path].counts
+                              else "reference"]
+            lengths = _captured_lengths(step) if replays[path].captured else {}
             for key, value in expected.items():
                 end = lengths.get(key, value.shape[0])
                 if not torch.equal(state[key][:end], value[:end].to(state[key].dtype)):

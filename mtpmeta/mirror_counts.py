@@ -1,0 +1,165 @@
+"""The mirror path with the opt-in block counts (``mtpmeta.block_counts``): a begin and
+a commit pass that read and ship only the used columns of their table.
+
+``C = column_bucket(max count, W)`` (a power-of-two multiple of 8, capped at ``W``):
+the rows cross to the device as one contiguous ``[rows, C]`` block, so the host cost
+follows the blocks in use, not ``W``; the columns ``[C, W)`` of the device rows get the
+dummy block ``D`` on the device. Nothing is cached per ``(rows, C)`` (the slices are
+built per call, a few µs), so no per-shape state grows.
+
+* begin: the pinned begin slot's table region holds the packed ``[n, C]`` rows; one
+  H2D copy lands them in the private ``_reuse_table``'s storage (as a flat scratch),
+  one device copy places them in ``block_table[:n, :C]`` and one fill writes ``D`` over
+  ``[:n, C:]``: 4 data ops with the head's H2D, one more than without counts. The host
+  truth is the private ``_own_block_table`` ``[R, W]``: its rows hold the used entries
+  and ``D`` past them, kept so at O(used) cost by per-row widths
+  (``native.draft_state.stage_counted_inputs``); the packed rows of each slot too
+  (per slot: its last ``C`` and each row's last count; a plain begin, which writes the
+  slot at width ``W``, forgets them). ``_reuse_table`` then holds no rows a commit may
+  take (``_device_table_rows = 0``).
+* commit: no row is reused from the device; the commit stage's table region holds the
+  packed ``[m, C]`` rows (``m`` the staged requests), shipped with the rest of the
+  shadow; the one ``_foreach_copy_`` also writes whole rows ``[:m]`` from a device
+  block of ``D`` and the pad rows from the block of -1, and one strided device copy then
+  lays the packed rows over ``[:m, :C]``: 3 data ops, one more than without counts.
+  A pass that does not fit the fixed commit stage ships whole rows (``D`` past the
+  counts) through the per-shape shadow.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import numpy as np
+import torch
+
+from . import captured, native
+from .block_counts import column_bucket, counted_commit
+from .gpu_view import ViewTarget
+
+__all__ = ["CountedStaging"]
+
+_min_max = native.checks.min_max
+
+
+class CountedStaging:
+    """Mixin of ``MirrorBackend``: its ``begin_decode`` / ``commit_pass`` with counts."""
+
+    def _init_counts(self, max_requests: int, width: int) -> None:
+        # [R] int32: W for every row (no counts) or the counts of the last begin.
+        self._full_counts = np.full(max_requests, width, dtype=np.int32)
+        self._counts = np.zeros(max_requests, dtype=np.int32)
+        self.host_block_counts = self._full_counts
+        # [R] int32: columns of _own_block_table row i that may not hold D (its
+        # columns at and past it do); _own_block_table starts all D.
+        self._own_widths = np.zeros(max_requests, dtype=np.int32)
+        self._dummy_rows: Optional[torch.Tensor] = None  # [R * W] int32 of D, lazily
+        # Per begin slot: the width C its packed rows were last written at, how many
+        # leading rows are known, and each known row's count (D from it to C).
+        slots = self._begin_ring.num_slots
+        self._packed_columns = [0] * slots
+        self._packed_rows = [0] * slots
+        self._packed_widths = [np.zeros(max_requests, dtype=np.int32) for _ in range(slots)]
+
+    def _begin_counted(self, count: int, start_positions: np.ndarray,
+                       table_src: np.ndarray, block_counts: np.ndarray) -> None:
+        """The begin with counts (offsets already checked); module docstring."""
+        width = self._own_block_table.shape[1]
+        columns = column_bucket(int(_min_max(block_counts, count)[1]), width)
+        ring = self._begin_ring
+        slot = ring.acquire()
+        head_np, table_np = self._begin_arrays[slot]
+        packed = table_np.reshape(-1)[:count * columns].reshape(count, columns)
+        known = self._packed_rows[slot] if self._packed_columns[slot] == columns else 0
+        native.draft_state.stage_counted_inputs(
+            start_positions, table_src, block_counts, count, self.block_size, self.dummy,
+            head_np[1:], self._own_block_table, self._own_widths, packed,
+            self._packed_widths[slot], known, self._counts)
+        self._packed_columns[slot] = columns
+        self._packed_rows[slot] = max(known, count)
+        captured.stage_count(head_np, count)
+        self.host_offsets[:count] = head_np[1:count + 1]
+        self.host_block_table = self._own_block_table
+        self.host_block_counts = self._counts
+        head_t, table_t = self._begin_tensors[slot]
+        buffers = self.buffers
+        self._prefix("draft_head", buffers.draft_head, 0, count + 1).copy_(
+            self._prefix(("begin_head", slot), head_t, 0, count + 1), non_blocking=True)
+        if count:
+            used = count * columns
+            landing = self._reuse_table.view(-1)[:used]
+            landing.copy_(table_t.view(-1)[:used], non_blocking=True)
+            rows = self._prefix("block_table", buffers.block_table, 0, count)
+            if columns < width:
+                rows[:, :columns].copy_(landing.view(count, columns))
+                rows[:, columns:].fill_(self.dummy)
+            else:
+                rows.copy_(landing.view(count, columns))
+        ring.release(slot)
+        self._device_table_rows = 0  # _reuse_table holds packed rows, not [R, W] ones
+
+    def _commit_counted(self, target: ViewTarget, counts: np.ndarray,
+                        starts: Optional[np.ndarray], table: np.ndarray,
+                        inherited: Optional[np.ndarray], block_counts: np.ndarray,
+                        padded_tokens: int, pad_tokens: int, min_padded_requests: int,
+                        padded_requests: int) -> Tuple[int, int, int, int]:
+        """The commit pass with counts; module docstring. Returns as ``commit_pass``."""
+        stage = self._commit_stage(target)
+        if stage is None or padded_tokens > stage.cap or padded_requests > stage.requests:
+            slot, layout, token_args, request_args = self._shadow(
+                target, padded_tokens, padded_requests, padded_requests)
+            result = self._commit_kernel(counts, starts, table, inherited, block_counts,
+                                         padded_tokens, pad_tokens, min_padded_requests,
+                                         target, token_args, request_args,
+                                         np.zeros(padded_requests + 1, np.int32), 0)
+            if result[0] < 0:
+                self._forward_ring.release(slot)
+                return result
+            self._flush(target, slot, layout, padded_tokens, result[0], result[2],
+                        "query", result[1], 0, reused=True)
+            return result
+        num_prefill = counts.shape[0]
+        width = target.width
+        columns = column_bucket(int(_min_max(block_counts, num_prefill)[1]), width)
+        ring = self._forward_ring
+        slot = ring.acquire()
+        token_args, request_args = stage.args(slot)
+        packed = request_args[4].reshape(-1)[:padded_requests * columns].reshape(
+            padded_requests, columns)
+        # The slot's packed rows are known when this stage, at this C, wrote them last.
+        mark = stage.packed_mark(columns)
+        known_rows = stage.known_rows[slot] if ring.last_mark == mark else 0
+        result = self._commit_kernel(counts, starts, table, inherited, block_counts,
+                                     padded_tokens, pad_tokens, min_padded_requests,
+                                     target, token_args, request_args[:4] + (packed,),
+                                     stage.known[slot], known_rows)
+        ring.marks[slot] = mark  # refused or not, the kernel wrote by the bookkeeping
+        stage.known_rows[slot] = max(known_rows, padded_requests) if result[0] >= 0 \
+            else known_rows
+        if result[0] < 0:
+            ring.release(slot)
+            return result
+        total, staged, padded_requests, _ = result
+        stage.flush_counted(slot, padded_tokens, total, padded_requests, staged, columns,
+                            self._dummy_block(), self._minus_one)
+        self._forward_ring.release(slot)
+        return result
+
+    def _commit_kernel(self, counts, starts, table, inherited, block_counts,
+                       padded_tokens, pad_tokens, min_padded_requests, target, token_args,
+                       request_args, known, known_rows):
+        return counted_commit(
+            counts, starts, table, inherited, block_counts, padded_tokens, pad_tokens,
+            self.max_requests, min_padded_requests, self.block_size, self.dummy,
+            self.buffers.block_table.shape[1], target.token_block_range[1],
+            self._scratch_q, token_args, request_args, known, known_rows)
+
+    def _dummy_block(self) -> torch.Tensor:
+        """``[R * W]`` int32 of ``D`` on the device, the source of a counted commit's
+        whole rows (allocated at the first counted commit pass, never in a draft loop)."""
+        block = self._dummy_rows
+        if block is None:
+            block = torch.full(self._minus_one.shape, self.dummy, dtype=torch.int32,
+                               device=self.device)
+            self._dummy_rows = block
+        return block

@@ -1,0 +1,52 @@
+"""The table rows of a commit pass with the opt-in block counts (``mtpmeta.block_counts``).
+
+``staging.commit_pass`` writes everything else of the pass (called with a first table
+row past the last request, it writes no table row); ``write_counted_rows`` then writes
+the rows, reading each request's used columns only. Leaf kernel: it calls no other
+file's kernel (numba's on-disk cache does not track other files).
+"""
+
+import numpy as np
+from numba import njit
+
+
+@njit(cache=True)
+def write_counted_rows(block_table, block_counts, num_prefill, staged, padded, dummy,
+                       absorb_end, block_size, known, known_rows, mha_block_table):
+    """Rows ``[0, padded)`` of a commit pass's ``mha_block_table`` (``C`` columns: the
+    view's ``W``, or a packed shadow of ``C <= W`` on the mirror path): request
+    ``r < num_prefill`` takes ``block_table[r, :block_counts[r]]`` (never a column past
+    it) and ``dummy`` after; rows ``[num_prefill, staged)`` (the pad request) all
+    ``dummy``; rows ``[staged, padded)`` all -1. ``absorb_end >= 0``: request
+    ``num_prefill - 1`` absorbs a full batch's pad and its columns wholly at or past
+    position ``absorb_end`` get ``dummy`` too (``staging.dummy_past_span``).
+    ``known`` [>= padded] int32: for rows ``< known_rows`` the columns from ``known[i]``
+    on already hold ``dummy`` (a packed slot written before), so only the columns
+    before it are filled; ``known[i]`` becomes what the row holds now (its count; 0 for
+    the pad request, ``C`` for a -1 row). ``known_rows`` 0 fills every column.
+
+    >>> table, known = np.zeros((3, 3), np.int32), np.zeros(3, np.int32)
+    >>> write_counted_rows(np.array([[3, 4, 5], [6, 7, 8]]), np.array([1, 3]), 2, 2, 3,
+    ...                    99, 5, 4, known, 0, table); table.tolist(), known.tolist()
+    ([[3, 99, 99], [6, 7, 99], [-1, -1, -1]], [1, 3, 3])
+    """
+    width = mha_block_table.shape[1]
+    for i in range(padded):
+        stale = np.int64(known[i]) if i < known_rows else np.int64(width)
+        if i >= staged:
+            for col in range(width):
+                mha_block_table[i, col] = -1
+            known[i] = width
+            continue
+        used = np.int64(0)
+        if i < num_prefill:
+            used = min(np.int64(block_counts[i]), width)
+            for col in range(used):
+                mha_block_table[i, col] = block_table[i, col]
+        for col in range(used, stale):
+            mha_block_table[i, col] = dummy
+        known[i] = used
+    if absorb_end >= 0 and num_prefill > 0:
+        first = (np.int64(absorb_end) + block_size - 1) // block_size
+        for col in range(first, width):
+            mha_block_table[num_prefill - 1, col] = dummy
