@@ -130,7 +130,7 @@ class MirrorBackend(ForwardStaging):
                              for slot in self._carry_ring.slots]
         self._init_forward_staging(max_requests, max_tokens, width, num_slots)
         self.device_route = DeviceRoute(buffers, block_size=block_size, dummy=dummy,
-                                        runtime=runtime)
+                                        runtime=runtime, minus_one=self._minus_one)
         # Per-count views of the persistent buffers and begin slots: keys are a name (a
         # slot's at most) and a count <= R + 1, so this bound is never reached.
         self._slices = BoundedCache(64 * (max_requests + 2))
@@ -198,11 +198,12 @@ class MirrorBackend(ForwardStaging):
         self._device_table_rows = count
         return True
 
-    def begin_decode_device(self, count: int, start_positions: Tensor,
-                            table_src: Tensor) -> None:
+    def begin_decode_device(self, count: int, start_positions: Tensor, table_src: Tensor,
+                            padded: Optional[int] = None) -> None:
+        """``padded``: plan the loop's depths (``device_loop.py``); None (the captured
+        loop) copies the inputs and the device count only."""
         self.refuse_capture("begin_decode")
-        self.device_route.begin_decode(count, start_positions, table_src)
-        self.buffers.draft_count.fill_(count)  # the device count (contract §12)
+        self.device_route.begin_decode(count, start_positions, table_src, padded)
         self.host_offsets_known = False
         self._device_table_rows = 0  # the host never saw this table: nothing to reuse
 
@@ -222,6 +223,7 @@ class MirrorBackend(ForwardStaging):
         self.refuse_capture("advance_decode_step")
         self._prefix("offsets", self.buffers.offsets, 0, count).add_(1)
         native.draft_state.advance_offsets(self.host_offsets, count)
+        self.device_route.advance_decode_step()
 
     def stage_decode_lengths(self, count: int) -> None:
         self.refuse_capture("stage_decode_lengths")
