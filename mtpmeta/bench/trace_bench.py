@@ -178,8 +178,8 @@ def run_trace(args: Any) -> int:
             print(f"mtpmeta bench: RESULTS DIFFER ({name} trace): {mismatch}",
                   file=sys.stderr)
             return 1
-        print(f"{name} trace: direct, mirror, captured and the drop-in leave the "
-              f"reference's view "
+        print(f"{name} trace: direct, mirror, captured, mirror with device inputs and "
+              f"the drop-in leave the reference's view "
               f"and buffers on all {steps} steps (CPU)")
         out[name] = measure_trace(config, steps, repeats=args.repeats or
                                   (2 if args.quick else 5), seed=args.seed,

@@ -258,13 +258,45 @@ class CountingRuntime(TorchRuntime):
             self.calls["record_stream"] += 1
 
 
+class _MarkedInputs(TorchRuntime):
+    """``TorchRuntime`` that reports the CPU tensors in ``marked`` (by ``id``) as
+    device tensors, so a CPU replay takes the device-input route for them."""
+
+    def __init__(self, marked: set) -> None:
+        super().__init__()
+        self.marked = marked
+
+    def is_device(self, tensor: torch.Tensor) -> bool:
+        return id(tensor) in self.marked or not tensor.is_cpu
+
+    def is_host(self, tensor: torch.Tensor) -> bool:
+        return not self.is_device(tensor)
+
+
+def _device_input_replay(config: TraceConfig, trace: List[TraceStep]) -> Replay:
+    """The mirror path on the CPU with the draft loop's start positions and table
+    taken as device tensors (the device-input route, its depths planned at the begin:
+    ``mtpmeta.device_loop``); the commit pass keeps host inputs."""
+    from ..runtime import use_runtime
+
+    marked: set = set()
+    with use_runtime(_MarkedInputs(marked)):
+        replay = Replay("mirror", config, torch.device("cpu"), depths=True)
+    replay.draft_table = replay.table.clone()  # begin_decode's own table
+    marked.add(id(replay.draft_table))
+    marked.update(id(step.start_positions) for step in trace)
+    return replay
+
+
 def check_trace(config: TraceConfig, trace: List[TraceStep]) -> Optional[str]:
     """Replay ``trace`` on the CPU through the reference, the direct, the mirror and
-    the captured path (its depths run eagerly) and the drop-in; describe the first step where one's
+    the captured path (its depths run eagerly), the mirror path with device inputs
+    (``mirror, device inputs``) and the drop-in; describe the first step where one's
     view or persistent buffers differ from the reference's, or None."""
     cpu = torch.device("cpu")
     replays = {path: Replay(path, config, cpu, depths=True)
                for path in ("reference", "direct", "mirror", "captured", "drop-in")}
+    replays["mirror, device inputs"] = _device_input_replay(config, trace)
     for replay in replays.values():
         replay.reset()
     for index, step in enumerate(trace):
