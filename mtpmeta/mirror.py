@@ -29,7 +29,8 @@ Caller device tensors that queued work reads (the carry's device hidden, device-
 inputs) get ``record_stream`` on the current stream through the runtime, so a producer
 that allocated them on another stream may free them at once.
 
-Inputs that are already device tensors take ``DeviceRoute`` (``mirror_device.py``).
+Inputs that are already device tensors take ``DeviceRoute`` (``mirror_device.py``;
+its draft loop is planned at ``begin_decode``, ``device_loop.py``).
 
 Table reuse: a commit pass takes its leading table rows device-to-device, as a draft
 depth takes its table: the longest prefix of ``[:min(P, n)]`` equal to the rows that

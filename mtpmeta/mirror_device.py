@@ -10,7 +10,9 @@ outside ``[0, rows of block_table)`` (or of ``inherited_blocks``) is clamped on 
 device, with no sync and no device-side assert, and its token goes to ``D``: where the
 host route raises IndexError, this route writes no real block. The draft depth here
 allocates nothing: it writes through fixed views of the persistent buffers and of the
-destination view.
+destination view. With ``padded`` (the default route) ``begin_decode`` plans the
+loop's first ``PLANNED_DEPTHS`` depths (``device_loop.DraftPlan``) and each of them is
+one ``_foreach_copy_``; a later depth takes the per-depth ops of ``decode_step``.
 
 Every caller tensor this route reads is ``record_stream``-ed on the current stream
 through the runtime (``mtpmeta.runtime``), so its producer may free it right after the
