@@ -48,7 +48,7 @@ class PersistentBuffers:
     draft_head: Optional[torch.Tensor] = None  # [R + 1] int32: draft_count, offsets
     # Flat int32 device block of the device-input route's depth plan (mtpmeta.device_loop):
     # [R + 1] cumulative-query scratch, then draft_head, then the rest of
-    # [2, PLANNED_DEPTHS + 1, R + 1] rows whose row [0, 0] is draft_head. So one op
+    # [3, PLANNED_DEPTHS + 1, R + 1] rows whose row [0, 0] is draft_head. So one op
     # writes draft_count with the cumulative query lengths, and one writes offsets
     # with the planned positions.
     draft_plan: Optional[torch.Tensor] = None
@@ -66,7 +66,7 @@ class PersistentBuffers:
         # rows of a prefix is one strided op.
         lengths = torch.zeros((2, max_requests), dtype=torch.int32, device=device)
         row = max_requests + 1
-        plan = torch.zeros(row * (1 + 2 * (PLANNED_DEPTHS + 1)), dtype=torch.int32,
+        plan = torch.zeros(row * (1 + 3 * (PLANNED_DEPTHS + 1)), dtype=torch.int32,
                            device=device)
         head = plan[row:2 * row]
         return cls(

@@ -116,17 +116,23 @@ class DraftPlan:
         flat = buffers.draft_plan
         self._sums_q = flat[:row]  # [R + 1]: cu_q ends at flat[R], draft_count at R + 1
         self._clamp_region = flat[:2 * row]
-        self._rows = flat[row:].view(2, K + 1, row)  # [0, 0] is draft_head
+        self._rows = flat[row:].view(3, K + 1, row)  # [0, 0] is draft_head
         self._positions = self._rows[0, :, 1:]  # [K + 1, R]: offsets + d
-        self._planned_rows = self._rows[:, :, 1:]  # [2, K + 1, R]
-        self._steps = torch.tensor([[list(range(K + 1))],
-                                    [[block_size + d for d in range(K + 1)]]],
-                                   dtype=i32, device=device).view(2, K + 1, 1)
+        self._planned_rows = self._rows[:, :, 1:]  # [3, K + 1, R]
+        # [R]: the start positions, zero past n up to every padded count since
+        # (``_dirty``: the columns past n that may hold an older loop's starts).
+        self._starts = self._rows[2, 0, 1:]
+        self._dirty = 0
+        self._steps = torch.tensor([list(range(K + 1)),
+                                    [block_size + d for d in range(K + 1)],
+                                    [0] * (K + 1)], dtype=i32, device=device).view(3, K + 1, 1)
         self._divisors = torch.tensor([1, block_size], dtype=i64,
                                       device=device).view(2, 1, 1)
         self._quotients = torch.zeros((2, K, requests), dtype=i64, device=device)
         self._local = torch.zeros((K, requests), dtype=i32, device=device)
         self._sums_kv = torch.zeros((K, row), dtype=i32, device=device)
+        self._sums_start = torch.zeros(row, dtype=i32, device=device)  # [0] stays 0
+        self._kv_steps = torch.arange(1, K + 1, dtype=i32, device=device).view(K, 1)
         self._arange = torch.arange(row + 1, dtype=i32, device=device)
         self._ones_zeros = torch.cat([torch.ones(requests, dtype=i32, device=device),
                                       torch.zeros(requests, dtype=i32, device=device)])
@@ -187,25 +193,36 @@ class DraftPlan:
         if n:
             self.buffers.block_table[:n].copy_(table_src[:n], non_blocking=True)
             table[:n, 1:w + 1].copy_(table_src[:n], non_blocking=True)
-            # offsets[:n] (row [0, 0]), offsets + d, offsets + d + BS, in one add.
+            # offsets[:n] (row [0, 0]), offsets + d, offsets + d + BS and the starts
+            # again (row [2, 0]), in one add.
             torch.add(start_positions[:n], self._steps, out=self._planned_rows[:, :, :n])
+        stale = min(self._dirty, p)
+        if stale > n:  # an older loop's starts in [n, p): zero them for the sums
+            self._starts[n:stale].zero_()
+        self._dirty = n if self._dirty <= p else max(n, self._dirty)
         row = self.requests + 1
         # cu_q[:p + 1] = min(i, n), then draft_count = min(p + 1, n) = n.
         torch.clamp(self._arange[:p + 2], max=n,
                     out=self._clamp_region[row - p - 1:row + 1])
         if n:
             quotients = self._quotients[:, :, :n]
-            torch.floor_divide(self._planned_rows[:, :K, :n], self._divisors, out=quotients)
+            torch.floor_divide(self._planned_rows[:2, :K, :n], self._divisors, out=quotients)
             columns = quotients[1]  # block column + 1
             columns.clamp_(0, w + 1)
             torch.gather(table[:n], 1, columns.t(), out=self._blocks[dtype][:, :n].t())
             torch.remainder(self._positions[:K, :n], self.block_size, out=self._local[:, :n])
-            torch.cumsum(self._positions[1:, :n], 1, dtype=torch.int32,
-                         out=self._sums_kv[:, 1:n + 1])
-        if p > n:  # pad rows: flat KV sums
-            self._sums_kv[:, n + 1:p + 1].copy_(self._sums_kv[:, n:n + 1].expand(K, p - n))
+        # Sums of the start positions, flat past n: 1-D and contiguous, so CUDA's scan
+        # stages neither its input nor its output through a temporary.
+        torch.cumsum(self._starts[:p], 0, dtype=torch.int32, out=self._sums_start[1:p + 1])
+        # KV sums of depth d at slot j <= p: sum(offsets[:m]) + (d + 1) * m, m = min(j, n).
+        torch.addcmul(self._sums_start[:p + 1], self._kv_steps, self._sums_q_window(p),
+                      out=self._sums_kv[:, :p + 1])
         self.count, self.padded, self.depth, self.valid = n, p, 0, True
         self._planned_dtype = dtype
+
+    def _sums_q_window(self, p: int) -> Tensor:
+        """The cumulative query lengths ``[:p + 1]`` (``min(j, n)``)."""
+        return self._window(self._cu_queries, self.requests - p).tensor
 
     def covers(self, count: int, padded: int) -> bool:
         """Whether the next depth is planned (same loop, depth < K)."""
@@ -259,7 +276,7 @@ class DraftPlan:
         put("mha_query_lengths", 0, p, window, window.tensor)
         put("mha_kv_seq_lengths", 0, n, src["kv"], self._positions[d + 1])
         put("mha_kv_seq_lengths", n, p, c["zeros"], self._zeros)
-        window = self._window(self._cu_queries, row - p - 1)
+        window = self._window(self._cu_queries, row - p - 1)  # == R - p
         put("mha_cu_query_seq_lengths", 0, p + 1, window, window.tensor)
         put("mha_cu_kv_seq_lengths", 0, p + 1, src["sums_kv"], self._sums_kv[d])
         self._table_rows(side, n, p, dsts, srcs, singles)

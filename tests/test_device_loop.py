@@ -181,7 +181,7 @@ def test_out_of_table_positions_go_to_the_dummy_block():
 @pytest.mark.parametrize("n,padded", [(192, 192), (190, 192)], ids=["full", "pad"])
 def test_device_input_loop_op_budget(view_kind, n, padded):
     """On the standard geometry with device inputs (after a warm-up loop on the view):
-    begin_decode 9 device data ops (10 with pad rows), each planned depth 1 (one
+    begin_decode 10 device data ops, each planned depth 1 (one
     _foreach_copy_: every pair of one word dtype, none converted), each advance 1; no
     read-back and no new storage anywhere. So the standard step (carry 1 and commit 2
     on the host route) is 1 + begin + 3 depths + 2 <= 16 without its advances."""
@@ -211,13 +211,21 @@ def test_device_input_loop_op_budget(view_kind, n, padded):
         meta.end_forward()
     every = counts["begin"] + counts["depth"] + counts["advance"]
     assert all(c.scalar_reads == 0 and c.new_storages == 0 for c in every)
-    assert counts["begin"][2].data_ops == (9 if n == padded else 10), counts["begin"][2].ops
+    assert counts["begin"][2].data_ops == 10, counts["begin"][2].ops
     assert [c.data_ops for c in counts["depth"]] == [1] * config.depths, \
         [c.ops for c in counts["depth"]]
     assert all(c.ops["aten::_foreach_copy_"] == 1 for c in counts["depth"])
     assert [c.data_ops for c in counts["advance"]] == [1] * config.depths
     step = 1 + counts["begin"][2].data_ops + config.depths + 2
     assert step <= 16
+    # A loop with fewer real rows under the same padded count zeroes the older
+    # loop's start positions in between (one op more, for the KV sums), once.
+    inputs = steps[0]
+    for expected in (11, 10):
+        with OpCounter() as begin:
+            meta.begin_decode(n - 1, padded, inputs.start_positions, inputs.block_table,
+                              False)
+        assert begin.data_ops == expected, begin.ops
 
 
 def test_captured_loop_begin_with_device_inputs_plans_nothing(rng):
