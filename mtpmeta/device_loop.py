@@ -10,18 +10,23 @@ of ``DeviceRoute``), local offsets, KV lengths and both cumulative sums. Depth `
 (the host counts the advances since the begin; no sync) then places its row of that
 plan into the view and the persistent length buffers with one ``torch._foreach_copy_``.
 
-Ops (counted by ``DeviceOpCounter``/``OpCounter`` as dispatches): ``begin`` 9, 10 when
-``padded > n`` (the copy into ``block_table``, the copy into the plan's padded table,
-one add that writes ``offsets[:n]`` and every planned position, one clamp that writes
-``draft_count`` and the cumulative query lengths, a floor division giving positions
-and block columns, a clamp, a gather, a remainder, a cumsum, and the flat tail of the
-KV sums over pad rows); each planned depth 1; a depth past the plan takes
+Ops (counted by ``DeviceOpCounter``/``OpCounter`` as dispatches): ``begin`` 10 (the
+copy into ``block_table``, the copy into the plan's padded table, one add that writes
+``offsets[:n]``, every planned position and a row of the start positions, one clamp
+that writes ``draft_count`` and the cumulative query lengths, a floor division giving
+positions and block columns, a clamp, a gather, a remainder, a 1-D cumsum of the start
+positions and one addcmul giving every depth's KV sums, pad rows flat), one more when
+``n`` shrank under the same padded count (the older loop's starts in ``[n, p)`` are
+zeroed for the cumsum); each planned depth 1; a depth past the plan takes
 ``DeviceRoute``'s per-depth ops. On CUDA the ``_foreach_copy_`` is one multi-tensor
 launch only when every pair has one dtype (4- and 8-byte fields are read as int32
 words, as ``placement.CopyPlan`` does): the plan's block ids are kept in the dtype of
-the last view's ``token_to_block_idx``; a pair whose dtypes differ (the first loop on
-another view dtype, a ``block_table_dtype`` unlike the view's) goes as its own
-``copy_``. The copy of ``[n, W]`` table rows is part of each depth's placement.
+the last view's ``token_to_block_idx`` (a change costs one fill of the padded table's
+``D`` columns at the next begin); a pair whose dtypes differ (the first loop on another
+view dtype, a ``block_table_dtype`` unlike the view's) goes as its own ``copy_``. The
+copy of ``[n, W]`` table rows is part of each depth's placement. The cumsum's input
+and output are contiguous, so CUDA's scan stages neither through a temporary; the
+other ops are elementwise, a gather and copies, which take strided views as they are.
 
 Snapshot: the plan is taken from ``start_positions`` and ``block_table_src`` at the
 begin. As on the host route, an in-place edit of ``active_offsets`` or
@@ -29,9 +34,9 @@ begin. As on the host route, an in-place edit of ``active_offsets`` or
 rows still come from ``block_table`` at every depth); call ``begin_decode`` again.
 
 Layout tricks (``PersistentBuffers.draft_plan``): ``offsets`` is row ``[0, 0]`` of the
-``[2, PLANNED_DEPTHS + 1, R + 1]`` int32 position rows (row ``[0, d]``: ``offsets + d``,
-row ``[1, d]``: ``offsets + d + BS``), so the add that plans the positions also copies
-the start positions; the cumulative query scratch ends right before ``draft_count``,
+``[3, PLANNED_DEPTHS + 1, R + 1]`` int32 position rows (row ``[0, d]``: ``offsets + d``,
+row ``[1, d]``: ``offsets + d + BS``, row ``[2, 0]``: the starts again), so the add
+that plans the positions also copies the start positions; the cumulative query scratch ends right before ``draft_count``,
 so ``clamp(arange, max=n)`` over ``p + 2`` entries writes ``min(i, n)`` for ``i <= p``
 and ``n`` itself. Block ids come from a padded table ``[R, W + 2]`` (``D`` in columns
 0 and ``W + 1``) gathered at ``clamp((pos + BS) // BS, 0, W + 1)``: an out-of-table
@@ -183,7 +188,7 @@ class DraftPlan:
     def begin(self, count: int, padded: int, start_positions: Tensor,
               table_src: Tensor) -> None:
         """Copy the inputs (``offsets[:n]``, ``block_table[:n]``, ``draft_count``) and
-        plan depths ``0..K-1`` of the loop: 9 device ops, 10 with pad rows."""
+        plan depths ``0..K-1`` of the loop: 10 device ops (see the module docstring)."""
         n, p, w = count, padded, self.width
         dtype = self._dtype
         table = self._tables[dtype]
