@@ -128,19 +128,21 @@ class DraftPlan:
         # (``_dirty``: the columns past n that may hold an older loop's starts).
         self._starts = self._rows[2, 0, 1:]
         self._dirty = 0
-        self._steps = torch.tensor([list(range(K + 1)),
-                                    [block_size + d for d in range(K + 1)],
-                                    [0] * (K + 1)], dtype=i32, device=device).view(3, K + 1, 1)
-        self._divisors = torch.tensor([1, block_size], dtype=i64,
-                                      device=device).view(2, 1, 1)
+        # Factory ops only (the CUDA simulator of the tests tracks those as device).
+        depths = torch.arange(K + 1, dtype=i32, device=device)
+        self._steps = torch.zeros((3, K + 1, 1), dtype=i32, device=device)  # [g, d, 1]
+        self._steps[0, :, 0].copy_(depths)  # d
+        torch.add(depths, block_size, out=self._steps[1, :, 0])  # d + BS; group 2: 0
+        self._divisors = torch.ones((2, 1, 1), dtype=i64, device=device)  # 1, BS
+        self._divisors[1].fill_(block_size)
         self._quotients = torch.zeros((2, K, requests), dtype=i64, device=device)
         self._local = torch.zeros((K, requests), dtype=i32, device=device)
         self._sums_kv = torch.zeros((K, row), dtype=i32, device=device)
         self._sums_start = torch.zeros(row, dtype=i32, device=device)  # [0] stays 0
         self._kv_steps = torch.arange(1, K + 1, dtype=i32, device=device).view(K, 1)
         self._arange = torch.arange(row + 1, dtype=i32, device=device)
-        self._ones_zeros = torch.cat([torch.ones(requests, dtype=i32, device=device),
-                                      torch.zeros(requests, dtype=i32, device=device)])
+        self._ones_zeros = torch.zeros(2 * requests, dtype=i32, device=device)
+        self._ones_zeros[:requests].fill_(1)
         self._zeros = torch.zeros(requests, dtype=i32, device=device)
         self._dummies = {i32: torch.full((requests,), dummy, dtype=i32, device=device),
                          i64: torch.full((requests,), dummy, dtype=i64, device=device)}
