@@ -144,8 +144,11 @@ class DraftPlan:
         self._ones_zeros = torch.zeros(2 * requests, dtype=i32, device=device)
         self._ones_zeros[:requests].fill_(1)
         self._zeros = torch.zeros(requests, dtype=i32, device=device)
-        self._dummies = {i32: torch.full((requests,), dummy, dtype=i32, device=device),
-                         i64: torch.full((requests,), dummy, dtype=i64, device=device)}
+        # D in each block dtype it fits (int32 only when it does; a view whose block ids
+        # cannot hold D is refused before any depth).
+        self._dummies = {dtype: torch.full((requests,), dummy, dtype=dtype, device=device)
+                         for dtype in (i32, i64)
+                         if torch.iinfo(dtype).min <= dummy <= torch.iinfo(dtype).max}
         self._minus_one = minus_one if minus_one is not None else torch.full(
             (requests * width,), -1, dtype=i32, device=device)
         # Padded table and block ids: int64 storage, typed per block dtype.
@@ -247,7 +250,8 @@ class DraftPlan:
             target.plans.put("device_plan", side)
         f = side.fields
         block = f.token_to_block_idx.dtype
-        self._dtype = block if block in self._blocks else torch.int64  # the next plan's
+        # The next plan's block dtype: the view's, where D fits it.
+        self._dtype = block if block in self._dummies else torch.int64
         n, p, d, row = self.count, self.padded, self.depth, self.requests + 1
         src, c = self._src[d], self._consts
         dsts: List[Tensor] = []
