@@ -36,11 +36,12 @@ rows still come from ``block_table`` at every depth); call ``begin_decode`` agai
 Layout tricks (``PersistentBuffers.draft_plan``): ``offsets`` is row ``[0, 0]`` of the
 ``[3, PLANNED_DEPTHS + 1, R + 1]`` int32 position rows (row ``[0, d]``: ``offsets + d``,
 row ``[1, d]``: ``offsets + d + BS``, row ``[2, 0]``: the starts again), so the add
-that plans the positions also copies the start positions; the cumulative query scratch ends right before ``draft_count``,
-so ``clamp(arange, max=n)`` over ``p + 2`` entries writes ``min(i, n)`` for ``i <= p``
-and ``n`` itself. Block ids come from a padded table ``[R, W + 2]`` (``D`` in columns
-0 and ``W + 1``) gathered at ``clamp((pos + BS) // BS, 0, W + 1)``: an out-of-table
-column lands on a ``D`` column without a mask.
+that plans the positions also copies the start positions; the cumulative query
+scratch ends right before ``draft_count``, so ``clamp(arange, max=n)`` over ``p + 2``
+entries writes ``min(i, n)`` for ``i <= p`` and ``n`` itself. Block ids come from a
+padded table ``[R, W + 2]`` (``D`` in columns 0 and ``W + 1``) gathered at
+``clamp((pos + BS) // BS, 0, W + 1)``: an out-of-table column lands on a ``D`` column
+without a mask.
 """
 
 from __future__ import annotations

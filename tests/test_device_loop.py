@@ -151,6 +151,8 @@ def test_host_route_between_device_loops(rng):
     _depth(meta, ref, view, ref_view)
 
 
+@pytest.mark.skipif(os.environ.get("MTPMETA_DEBUG") == "1",
+                    reason="MTPMETA_DEBUG=1: check_invariants refuses the out-of-table offsets")
 def test_out_of_table_positions_go_to_the_dummy_block():
     """Device values are not checked: a start position past the table or negative
     sends its token to D at every planned depth (never to a real block), with the
