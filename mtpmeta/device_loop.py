@@ -52,6 +52,7 @@ import torch
 from torch import Tensor
 
 from .buffers import PLANNED_DEPTHS, PersistentBuffers
+from .cache import BoundedCache
 from .gpu_view import ViewTarget
 from .placement import word_view
 
@@ -89,7 +90,7 @@ def _cuts(tensor: Tensor, words: bool) -> _Cut:
 class _ViewSide:
     """One view's fields as prefix caches, raw and as int32 words (per target)."""
 
-    def __init__(self, target: ViewTarget) -> None:
+    def __init__(self, target: ViewTarget, dummies: Dict[torch.dtype, Tensor]) -> None:
         f = target.fields
         self.fields = f
         self.raw = {name: _Cut(t) for name, t in zip(f._fields, f)}
@@ -97,6 +98,10 @@ class _ViewSide:
         self.scale = {name: (2 if t.dtype.itemsize == 8 and word_view(t) is not t else 1)
                       for name, t in zip(f._fields, f)}
         self.width = f.mha_block_table.shape[1] if f.mha_block_table.dim() == 2 else 0
+        block = f.token_to_block_idx.dtype
+        self.plan_dtype = block if block in dummies else torch.int64  # the plan's dtype
+        # (planned dtype, depth, n, p) -> the placement's pair lists (fixed views).
+        self.placements = BoundedCache(4096)
 
 
 class DraftPlan:
@@ -189,6 +194,9 @@ class DraftPlan:
         self._queries: Dict[int, _Cut] = {}  # window caches (_window)
         self._cu_queries: Dict[int, _Cut] = {}
         self._minus_rows: Dict[int, Tensor] = {}  # pad rows -> [rows, W] of -1
+        # The begin's views by (block dtype, n) and by p (at most 2R + 2 and R + 1).
+        self._row_cache: Dict[Any, Tuple[Tensor, ...]] = {}
+        self._padded_cache: Dict[int, Tuple[Tensor, ...]] = {}
 
     # ------------------------------------------------------------------- begin
     def begin(self, count: int, padded: int, start_positions: Tensor,
@@ -202,34 +210,57 @@ class DraftPlan:
             table[:, ::w + 1].fill_(self.dummy)
             self._dummy_columns = dtype
         if n:
-            self.buffers.block_table[:n].copy_(table_src[:n], non_blocking=True)
-            table[:n, 1:w + 1].copy_(table_src[:n], non_blocking=True)
+            (table_rows, padded_rows, planned, divided, quotients, columns, index, blocks,
+             positions, local) = self._rows_views(dtype, n)
+            table_rows.copy_(table_src[:n], non_blocking=True)
+            padded_rows.copy_(table_src[:n], non_blocking=True)
             # offsets[:n] (row [0, 0]), offsets + d, offsets + d + BS and the starts
             # again (row [2, 0]), in one add.
-            torch.add(start_positions[:n], self._steps, out=self._planned_rows[:, :, :n])
+            torch.add(start_positions[:n], self._steps, out=planned)
         stale = min(self._dirty, p)
         if stale > n:  # an older loop's starts in [n, p): zero them for the sums
             self._starts[n:stale].zero_()
         self._dirty = n if self._dirty <= p else max(n, self._dirty)
-        row = self.requests + 1
+        arange, clamped, starts, sums_body, sums_start, sums_q, sums_kv = \
+            self._padded_views(p)
         # cu_q[:p + 1] = min(i, n), then draft_count = min(p + 1, n) = n.
-        torch.clamp(self._arange[:p + 2], max=n,
-                    out=self._clamp_region[row - p - 1:row + 1])
+        torch.clamp(arange, max=n, out=clamped)
         if n:
-            quotients = self._quotients[:, :, :n]
-            torch.floor_divide(self._planned_rows[:2, :K, :n], self._divisors, out=quotients)
-            columns = quotients[1]  # block column + 1
-            columns.clamp_(0, w + 1)
-            torch.gather(table[:n], 1, columns.t(), out=self._blocks[dtype][:, :n].t())
-            torch.remainder(self._positions[:K, :n], self.block_size, out=self._local[:, :n])
+            torch.floor_divide(divided, self._divisors, out=quotients)
+            columns.clamp_(0, w + 1)  # block column + 1
+            torch.gather(self._tables[dtype][:n], 1, index, out=blocks)
+            torch.remainder(positions, self.block_size, out=local)
         # Sums of the start positions, flat past n: 1-D and contiguous, so CUDA's scan
         # stages neither its input nor its output through a temporary.
-        torch.cumsum(self._starts[:p], 0, dtype=torch.int32, out=self._sums_start[1:p + 1])
+        torch.cumsum(starts, 0, dtype=torch.int32, out=sums_body)
         # KV sums of depth d at slot j <= p: sum(offsets[:m]) + (d + 1) * m, m = min(j, n).
-        torch.addcmul(self._sums_start[:p + 1], self._kv_steps, self._sums_q_window(p),
-                      out=self._sums_kv[:, :p + 1])
+        torch.addcmul(sums_start, self._kv_steps, sums_q, out=sums_kv)
         self.count, self.padded, self.depth, self.valid = n, p, 0, True
         self._planned_dtype = dtype
+
+    def _rows_views(self, dtype: torch.dtype, n: int) -> Tuple[Tensor, ...]:
+        """The begin's views over ``n`` rows (built once per block dtype and ``n``)."""
+        views = self._row_cache.get((dtype, n))
+        if views is None:
+            table = self._tables[dtype]
+            quotients = self._quotients[:, :, :n]
+            views = self._row_cache[(dtype, n)] = (
+                self.buffers.block_table[:n], table[:n, 1:self.width + 1],
+                self._planned_rows[:, :, :n], self._planned_rows[:2, :K, :n], quotients,
+                quotients[1], quotients[1].t(), self._blocks[dtype][:, :n].t(),
+                self._positions[:K, :n], self._local[:, :n])
+        return views
+
+    def _padded_views(self, p: int) -> Tuple[Tensor, ...]:
+        """The begin's views over ``p`` padded rows (built once per ``p``)."""
+        views = self._padded_cache.get(p)
+        if views is None:
+            row = self.requests + 1
+            views = self._padded_cache[p] = (
+                self._arange[:p + 2], self._clamp_region[row - p - 1:row + 1],
+                self._starts[:p], self._sums_start[1:p + 1], self._sums_start[:p + 1],
+                self._sums_q_window(p), self._sums_kv[:, :p + 1])
+        return views
 
     def _sums_q_window(self, p: int) -> Tensor:
         """The cumulative query lengths ``[:p + 1]`` (``min(j, n)``)."""
@@ -247,12 +278,29 @@ class DraftPlan:
         dtypes differ (none when the view's dtypes are the plan's)."""
         side = target.plans.get("device_plan")
         if side is None:
-            side = _ViewSide(target)
+            side = _ViewSide(target, self._dummies)
             target.plans.put("device_plan", side)
+        # The next plan's block dtype: the view's, where D fits it.
+        self._dtype = side.plan_dtype
+        key = (self._planned_dtype, self.depth, self.count, self.padded)
+        placement = side.placements.get(key)
+        if placement is None:
+            placement = self._placement(side)
+            side.placements.put(key, placement)
+        dsts, srcs, singles = placement
+        if len(dsts) > 1:
+            torch._foreach_copy_(dsts, srcs, non_blocking=True)
+        elif dsts:
+            dsts[0].copy_(srcs[0], non_blocking=True)
+        for dst, source in singles:
+            dst.copy_(source, non_blocking=True)
+
+    def _placement(self, side: "_ViewSide") -> Tuple[List[Tensor], List[Tensor],
+                                                     List[Tuple[Tensor, Tensor]]]:
+        """The pairs that place the current depth into ``side``'s view: ``(dsts, srcs)``
+        of one ``_foreach_copy_`` (int32 words) and the dtype-converting ``singles``."""
         f = side.fields
         block = f.token_to_block_idx.dtype
-        # The next plan's block dtype: the view's, where D fits it.
-        self._dtype = block if block in self._dummies else torch.int64
         n, p, d, row = self.count, self.padded, self.depth, self.requests + 1
         src, c = self._src[d], self._consts
         dsts: List[Tensor] = []
@@ -295,12 +343,7 @@ class DraftPlan:
         if n:  # the persistent lengths, as stage_decode_lengths writes them
             dsts += [c["query"].pre(n), c["kv_buf"].pre(n)]
             srcs += [c["ones_zeros"].pre(n), src["kv"].pre(n)]
-        if len(dsts) > 1:
-            torch._foreach_copy_(dsts, srcs, non_blocking=True)
-        elif dsts:
-            dsts[0].copy_(srcs[0], non_blocking=True)
-        for dst, source in singles:
-            dst.copy_(source, non_blocking=True)
+        return dsts, srcs, singles
 
     def _window(self, cache: Dict[int, _Cut], start: int) -> _Cut:
         """Prefix cache of a constant's window ``[start:]`` (``_queries``: the
