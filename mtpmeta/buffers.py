@@ -17,7 +17,11 @@ import torch
 
 from .runtime import DeviceRuntime, get_runtime
 
-__all__ = ["PersistentBuffers", "BUFFER_NAMES"]
+__all__ = ["PersistentBuffers", "BUFFER_NAMES", "PLANNED_DEPTHS"]
+
+#: Draft depths the device-input route precomputes at ``begin_decode``
+#: (``mtpmeta.device_loop``); its int32 rows share one allocation with ``draft_head``.
+PLANNED_DEPTHS = 8
 
 # The buffers contract §1 names, as MTPMetadata exposes them (None when not allocated).
 BUFFER_NAMES = ("request_matched_prefix_blocks", "offsets", "block_table", "query_lengths",
@@ -42,6 +46,12 @@ class PersistentBuffers:
     # then offsets[:n]) is one copy.
     draft_count: Optional[torch.Tensor] = None
     draft_head: Optional[torch.Tensor] = None  # [R + 1] int32: draft_count, offsets
+    # Flat int32 device block of the device-input route's depth plan (mtpmeta.device_loop):
+    # [R + 1] cumulative-query scratch, then draft_head, then the rest of
+    # [3, PLANNED_DEPTHS + 1, R + 1] rows whose row [0, 0] is draft_head. So one op
+    # writes draft_count with the cumulative query lengths, and one writes offsets
+    # with the planned positions.
+    draft_plan: Optional[torch.Tensor] = None
 
     @classmethod
     def allocate(cls, *, max_requests: int, max_kv_block_count: int, dummy_block_idx: int,
@@ -55,7 +65,10 @@ class PersistentBuffers:
         # [2, R] int32: query and KV length staging side by side, so a copy of both
         # rows of a prefix is one strided op.
         lengths = torch.zeros((2, max_requests), dtype=torch.int32, device=device)
-        head = torch.zeros(max_requests + 1, dtype=torch.int32, device=device)
+        row = max_requests + 1
+        plan = torch.zeros(row * (1 + 3 * (PLANNED_DEPTHS + 1)), dtype=torch.int32,
+                           device=device)
+        head = plan[row:2 * row]
         return cls(
             request_matched_prefix_blocks=annotations,
             offsets=head[1:],
@@ -70,4 +83,5 @@ class PersistentBuffers:
             row_scratch=np.zeros(2 * max_requests, dtype=np.int32),
             draft_count=head[:1],
             draft_head=head,
+            draft_plan=plan,
         )

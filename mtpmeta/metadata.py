@@ -327,7 +327,7 @@ class MTPMetadata(MetadataState, CapturedLoop, ViewWriters):
             self._loop_after = after
             return
         if on_device:
-            backend.begin_decode_device(count, starts, table)
+            backend.begin_decode_device(count, starts, table, padded)
             self._unchecked_table = (table, count)  # for check_invariants only
         else:
             if self._captured_ids != geometry.table_range:  # a graph may replay after

@@ -29,7 +29,8 @@ Caller device tensors that queued work reads (the carry's device hidden, device-
 inputs) get ``record_stream`` on the current stream through the runtime, so a producer
 that allocated them on another stream may free them at once.
 
-Inputs that are already device tensors take ``DeviceRoute`` (``mirror_device.py``).
+Inputs that are already device tensors take ``DeviceRoute`` (``mirror_device.py``;
+its draft loop is planned at ``begin_decode``, ``device_loop.py``).
 
 Table reuse: a commit pass takes its leading table rows device-to-device, as a draft
 depth takes its table: the longest prefix of ``[:min(P, n)]`` equal to the rows that
@@ -132,7 +133,7 @@ class MirrorBackend(ForwardStaging, CountedStaging):
         self._init_forward_staging(max_requests, max_tokens, width, num_slots)
         self._init_counts(max_requests, width)  # the opt-in block counts (mirror_counts)
         self.device_route = DeviceRoute(buffers, block_size=block_size, dummy=dummy,
-                                        runtime=runtime)
+                                        runtime=runtime, minus_one=self._minus_one)
         # Per-count views of the persistent buffers and begin slots: keys are a name (a
         # slot's at most) and a count <= R + 1, so this bound is never reached.
         self._slices = BoundedCache(64 * (max_requests + 2))
@@ -206,11 +207,12 @@ class MirrorBackend(ForwardStaging, CountedStaging):
         self._device_table_rows = count
         return True
 
-    def begin_decode_device(self, count: int, start_positions: Tensor,
-                            table_src: Tensor) -> None:
+    def begin_decode_device(self, count: int, start_positions: Tensor, table_src: Tensor,
+                            padded: Optional[int] = None) -> None:
+        """``padded``: plan the loop's depths (``device_loop.py``); None (the captured
+        loop) copies the inputs and the device count only."""
         self.refuse_capture("begin_decode")
-        self.device_route.begin_decode(count, start_positions, table_src)
-        self.buffers.draft_count.fill_(count)  # the device count (contract §12)
+        self.device_route.begin_decode(count, start_positions, table_src, padded)
         self.host_offsets_known = False
         self.host_block_counts = self._full_counts
         self._device_table_rows = 0  # the host never saw this table: nothing to reuse
@@ -233,6 +235,7 @@ class MirrorBackend(ForwardStaging, CountedStaging):
         self.refuse_capture("advance_decode_step")
         self._prefix("offsets", self.buffers.offsets, 0, count).add_(1)
         native.draft_state.advance_offsets(self.host_offsets, count)
+        self.device_route.advance_decode_step()
 
     def stage_decode_lengths(self, count: int) -> None:
         self.refuse_capture("stage_decode_lengths")

@@ -10,7 +10,9 @@ outside ``[0, rows of block_table)`` (or of ``inherited_blocks``) is clamped on 
 device, with no sync and no device-side assert, and its token goes to ``D``: where the
 host route raises IndexError, this route writes no real block. The draft depth here
 allocates nothing: it writes through fixed views of the persistent buffers and of the
-destination view.
+destination view. With ``padded`` (the default route) ``begin_decode`` plans the
+loop's first ``PLANNED_DEPTHS`` depths (``device_loop.DraftPlan``) and each of them is
+one ``_foreach_copy_``; a later depth takes the per-depth ops of ``decode_step``.
 
 Every caller tensor this route reads is ``record_stream``-ed on the current stream
 through the runtime (``mtpmeta.runtime``), so its producer may free it right after the
@@ -26,6 +28,7 @@ import torch
 from torch import Tensor
 
 from .buffers import PersistentBuffers
+from .device_loop import DraftPlan
 from .gpu_view import ViewTarget
 from .runtime import get_runtime
 
@@ -92,7 +95,7 @@ class DeviceRoute:
     """Device ops over the persistent buffers and the destination view."""
 
     def __init__(self, buffers: PersistentBuffers, *, block_size: int, dummy: int,
-                 runtime: Any = None) -> None:
+                 runtime: Any = None, minus_one: Optional[Tensor] = None) -> None:
         self.runtime = runtime if runtime is not None else get_runtime()
         self.buffers = buffers
         self.block_size = block_size
@@ -102,6 +105,9 @@ class DeviceRoute:
         # Draft-depth scratch: [R] int64 columns, [2, R] bool (outside, past the table),
         # [R, 1] gathered blocks.
         self._columns, self._outside, self._gathered = draft_scratch(buffers, 2)
+        # The loop's depths planned at begin_decode (device_loop.py).
+        self.plan = DraftPlan(buffers, block_size=block_size, dummy=dummy,
+                              minus_one=minus_one)
 
     def _in_use(self, *tensors: Optional[Tensor]) -> None:
         """Tell the caching allocator the current stream reads these caller tensors."""
@@ -110,14 +116,33 @@ class DeviceRoute:
                 self.runtime.record_stream(tensor, self.device)
 
     # ---------------------------------------------------------------- draft loop
-    def begin_decode(self, count: int, start_positions: Tensor, table_src: Tensor) -> None:
-        buffers = self.buffers
-        buffers.offsets[:count].copy_(start_positions[:count], non_blocking=True)
-        buffers.block_table[:count].copy_(table_src[:count], non_blocking=True)
+    def begin_decode(self, count: int, start_positions: Tensor, table_src: Tensor,
+                     padded: Optional[int] = None) -> None:
+        """Copy ``offsets[:n]``, ``block_table[:n]`` and ``draft_count``; with
+        ``padded``, plan the loop's depths too (``DraftPlan.begin``: 10 device ops), else
+        3 ops and nothing planned (the captured loop)."""
+        plan = self.plan
+        if padded is not None:
+            plan.begin(count, padded, start_positions, table_src)
+        else:
+            plan.valid = False
+            buffers = self.buffers
+            buffers.offsets[:count].copy_(start_positions[:count], non_blocking=True)
+            buffers.block_table[:count].copy_(table_src[:count], non_blocking=True)
+            buffers.draft_count.fill_(count)  # the device count (contract §12)
         self._in_use(start_positions, table_src)
 
+    def advance_decode_step(self) -> None:
+        """The host's count of advances since the begin (the next planned depth)."""
+        self.plan.depth += 1
+
     def decode_step(self, target: ViewTarget, count: int, padded: int) -> None:
-        """One draft depth from the persistent device buffers alone."""
+        """One draft depth: the planned one (1 device op) while the loop's depth is
+        within the plan, else from the persistent device buffers alone (21 ops, 28
+        with pad rows)."""
+        if self.plan.covers(count, padded):
+            self.plan.place(target)
+            return
         key = ("device_step", count, padded)
         v = target.plans.get(key)
         if v is None:

@@ -269,14 +269,45 @@ class CountingRuntime(TorchRuntime):
             self.calls["record_stream"] += 1
 
 
+class _MarkedInputs(TorchRuntime):
+    """``TorchRuntime`` that reports the CPU tensors in ``marked`` (by ``id``) as
+    device tensors, so a CPU replay takes the device-input route for them."""
+
+    def __init__(self, marked: set) -> None:
+        super().__init__()
+        self.marked = marked
+
+    def is_device(self, tensor: torch.Tensor) -> bool:
+        return id(tensor) in self.marked or not tensor.is_cpu
+
+    def is_host(self, tensor: torch.Tensor) -> bool:
+        return not self.is_device(tensor)
+
+
+def _device_input_replay(config: TraceConfig, trace: List[TraceStep]) -> Replay:
+    """The mirror path on the CPU with the draft loop's start positions and table
+    taken as device tensors (the device-input route, its depths planned at the begin:
+    ``mtpmeta.device_loop``); the commit pass keeps host inputs."""
+    from ..runtime import use_runtime
+
+    marked: set = set()
+    with use_runtime(_MarkedInputs(marked)):
+        replay = Replay("mirror", config, torch.device("cpu"), depths=True)
+    replay.draft_table = replay.table.clone()  # begin_decode's own table
+    marked.add(id(replay.draft_table))
+    marked.update(id(step.start_positions) for step in trace)
+    return replay
+
+
 def check_trace(config: TraceConfig, trace: List[TraceStep],
                 paths: Tuple[str, ...] = ("direct", "mirror", "captured", "drop-in"),
-                counts: Tuple[str, ...] = ("direct", "mirror", "captured")
-                ) -> Optional[str]:
+                counts: Tuple[str, ...] = ("direct", "mirror", "captured"),
+                device_inputs: bool = True) -> Optional[str]:
     """Replay ``trace`` on the CPU through the reference and ``paths`` (the captured
-    path's depths run eagerly), and the ``counts`` paths with block counts, against the reference on the table with the dummy block
-    past the counts. Describe the first step where one's view or persistent buffers
-    differ from its reference's, or None."""
+    path's depths run eagerly), the mirror path with device inputs (``mirror, device
+    inputs``, with ``device_inputs``), and the ``counts`` paths with block counts against
+    the reference on the table with the dummy block past the counts. Describe the first
+    step where one's view or persistent buffers differ from its reference's, or None."""
     cpu = torch.device("cpu")
     replays = {path: Replay(path, config, cpu, depths=True)
                for path in ("reference",) + paths}
@@ -285,6 +316,8 @@ def check_trace(config: TraceConfig, trace: List[TraceStep],
         for path in counts:
             replays[f"{path}, block counts"] = Replay(path, config, cpu, depths=True,
                                                       counts=True)
+    if device_inputs:
+        replays["mirror, device inputs"] = _device_input_replay(config, trace)
     for replay in replays.values():
         replay.reset()
     for index, step in enumerate(trace):

@@ -1,0 +1,376 @@
+"""The device-input draft loop, planned at ``begin_decode``: a few batched device ops
+over ``[PLANNED_DEPTHS, n]``, then one placement per depth.
+
+After ``begin_decode`` with device tensors the host knows no offsets, so the mirror
+path computes a depth on the device (``DeviceRoute``). Rather than ~28 ops at every
+depth, ``begin`` computes every depth ``d < PLANNED_DEPTHS`` of the loop at once, as
+upstream's depth would compute it from ``offsets + d``, into fixed-address scratch
+(allocated once, with the backend): positions, block ids (the D/out-of-table masking
+of ``DeviceRoute``), local offsets, KV lengths and both cumulative sums. Depth ``d``
+(the host counts the advances since the begin; no sync) then places its row of that
+plan into the view and the persistent length buffers with one ``torch._foreach_copy_``.
+
+Ops (counted by ``DeviceOpCounter``/``OpCounter`` as dispatches): ``begin`` 10 (the
+copy into ``block_table``, the copy into the plan's padded table, one add that writes
+``offsets[:n]``, every planned position and a row of the start positions, one clamp
+that writes ``draft_count`` and the cumulative query lengths, a floor division giving
+positions and block columns, a clamp, a gather, a remainder, a 1-D cumsum of the start
+positions and one addcmul giving every depth's KV sums, pad rows flat), one more when
+``n`` shrank under the same padded count (the older loop's starts in ``[n, p)`` are
+zeroed for the cumsum); each planned depth 1; a depth past the plan takes
+``DeviceRoute``'s per-depth ops. On CUDA the ``_foreach_copy_`` is one multi-tensor
+launch only when every pair has one dtype (4- and 8-byte fields are read as int32
+words, as ``placement.CopyPlan`` does): the plan's block ids are kept in the dtype of
+the last view's ``token_to_block_idx`` (a change costs one fill of the padded table's
+``D`` columns at the next begin); a pair whose dtypes differ (the first loop on another
+view dtype, a ``block_table_dtype`` unlike the view's) goes as its own ``copy_``. The
+copy of ``[n, W]`` table rows is part of each depth's placement. The cumsum's input
+and output are contiguous, so CUDA's scan stages neither through a temporary; the
+other ops are elementwise, a gather and copies, which take strided views as they are.
+
+Snapshot: the plan is taken from ``start_positions`` and ``block_table_src`` at the
+begin. As on the host route, an in-place edit of ``active_offsets`` or
+``active_block_table`` after it does not reach the token maps (the ``mha_block_table``
+rows still come from ``block_table`` at every depth); call ``begin_decode`` again.
+
+Layout tricks (``PersistentBuffers.draft_plan``): ``offsets`` is row ``[0, 0]`` of the
+``[3, PLANNED_DEPTHS + 1, R + 1]`` int32 position rows (row ``[0, d]``: ``offsets + d``,
+row ``[1, d]``: ``offsets + d + BS``, row ``[2, 0]``: the starts again), so the add
+that plans the positions also copies the start positions; the cumulative query
+scratch ends right before ``draft_count``, so ``clamp(arange, max=n)`` over ``p + 2``
+entries writes ``min(i, n)`` for ``i <= p`` and ``n`` itself. Block ids come from a
+padded table ``[R, W + 2]`` (``D`` in columns 0 and ``W + 1``) gathered at
+``clamp((pos + BS) // BS, 0, W + 1)``: an out-of-table column lands on a ``D`` column
+without a mask.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .buffers import PLANNED_DEPTHS, PersistentBuffers
+from .cache import BoundedCache
+from .gpu_view import ViewTarget
+from .placement import word_view
+
+__all__ = ["DraftPlan", "PLANNED_DEPTHS"]
+
+K = PLANNED_DEPTHS
+
+
+class _Cut:
+    """Prefixes ``[:k]`` and ranges ``[a:b]`` of one tensor, each built once."""
+
+    __slots__ = ("tensor", "cache")
+
+    def __init__(self, tensor: Tensor) -> None:
+        self.tensor = tensor
+        self.cache: Dict[Any, Tensor] = {}
+
+    def pre(self, k: int) -> Tensor:
+        value = self.cache.get(k)
+        if value is None:
+            value = self.cache[k] = self.tensor[:k]
+        return value
+
+    def rng(self, a: int, b: int) -> Tensor:
+        value = self.cache.get((a, b))
+        if value is None:
+            value = self.cache[(a, b)] = self.tensor[a:b]
+        return value
+
+
+def _cuts(tensor: Tensor, words: bool) -> _Cut:
+    return _Cut(word_view(tensor) if words else tensor)
+
+
+class _ViewSide:
+    """One view's fields as prefix caches, raw and as int32 words (per target)."""
+
+    def __init__(self, target: ViewTarget, dummies: Dict[torch.dtype, Tensor]) -> None:
+        f = target.fields
+        self.fields = f
+        self.raw = {name: _Cut(t) for name, t in zip(f._fields, f)}
+        self.words = {name: _Cut(word_view(t)) for name, t in zip(f._fields, f)}
+        self.scale = {name: (2 if t.dtype.itemsize == 8 and word_view(t) is not t else 1)
+                      for name, t in zip(f._fields, f)}
+        self.width = f.mha_block_table.shape[1] if f.mha_block_table.dim() == 2 else 0
+        block = f.token_to_block_idx.dtype
+        self.plan_dtype = block if block in dummies else torch.int64  # the plan's dtype
+        # (planned dtype, depth, n, p) -> the placement's pair lists (fixed views).
+        self.placements = BoundedCache(4096)
+
+
+class DraftPlan:
+    """The planned device-input draft loop over ``buffers`` (see the module docstring).
+
+    Scratch (device, fixed addresses, allocated here): the padded table ``[R, W + 2]``
+    (int64 storage, read as int32 when the view's block ids are int32), block ids
+    ``[K, R]`` (same), int64 positions and block columns ``[2, K, R]``, int32 local
+    offsets ``[K, R]``, int32 KV sums ``[K, R + 1]`` (column 0 stays 0), and constants
+    (depths, divisors, ``arange``, ones-then-zeros, ``D``, zeros).
+    """
+
+    def __init__(self, buffers: PersistentBuffers, *, block_size: int, dummy: int,
+                 minus_one: Optional[Tensor] = None) -> None:
+        self.buffers = buffers
+        self.block_size = block_size
+        self.dummy = dummy
+        requests, width = buffers.block_table.shape
+        self.requests, self.width = requests, width
+        device = buffers.offsets.device
+        i32, i64 = torch.int32, torch.int64
+        row = requests + 1
+        flat = buffers.draft_plan
+        self._sums_q = flat[:row]  # [R + 1]: cu_q ends at flat[R], draft_count at R + 1
+        self._clamp_region = flat[:2 * row]
+        self._rows = flat[row:].view(3, K + 1, row)  # [0, 0] is draft_head
+        self._positions = self._rows[0, :, 1:]  # [K + 1, R]: offsets + d
+        self._planned_rows = self._rows[:, :, 1:]  # [3, K + 1, R]
+        # [R]: the start positions, zero past n up to every padded count since
+        # (``_dirty``: the columns past n that may hold an older loop's starts).
+        self._starts = self._rows[2, 0, 1:]
+        self._dirty = 0
+        # Factory ops only (the CUDA simulator of the tests tracks those as device).
+        depths = torch.arange(K + 1, dtype=i32, device=device)
+        self._steps = torch.zeros((3, K + 1, 1), dtype=i32, device=device)  # [g, d, 1]
+        self._steps[0, :, 0].copy_(depths)  # d
+        torch.add(depths, block_size, out=self._steps[1, :, 0])  # d + BS; group 2: 0
+        self._divisors = torch.ones((2, 1, 1), dtype=i64, device=device)  # 1, BS
+        self._divisors[1].fill_(block_size)
+        self._quotients = torch.zeros((2, K, requests), dtype=i64, device=device)
+        self._local = torch.zeros((K, requests), dtype=i32, device=device)
+        self._sums_kv = torch.zeros((K, row), dtype=i32, device=device)
+        self._sums_start = torch.zeros(row, dtype=i32, device=device)  # [0] stays 0
+        self._kv_steps = torch.arange(1, K + 1, dtype=i32, device=device).view(K, 1)
+        self._arange = torch.arange(row + 1, dtype=i32, device=device)
+        self._ones_zeros = torch.zeros(2 * requests, dtype=i32, device=device)
+        self._ones_zeros[:requests].fill_(1)
+        self._zeros = torch.zeros(requests, dtype=i32, device=device)
+        # D in each block dtype it fits (int32 only when it does; a view whose block ids
+        # cannot hold D is refused before any depth).
+        self._dummies = {dtype: torch.full((requests,), dummy, dtype=dtype, device=device)
+                         for dtype in (i32, i64)
+                         if torch.iinfo(dtype).min <= dummy <= torch.iinfo(dtype).max}
+        self._minus_one = minus_one if minus_one is not None else torch.full(
+            (requests * width,), -1, dtype=i32, device=device)
+        # Padded table and block ids: int64 storage, typed per block dtype.
+        table64 = torch.full((requests, width + 2), dummy, dtype=i64, device=device)
+        blocks64 = torch.zeros((K, requests), dtype=i64, device=device)
+        self._tables = {i64: table64,
+                        i32: table64.view(-1).view(i32)[:requests * (width + 2)]
+                        .view(requests, width + 2)}
+        self._blocks = {i64: blocks64,
+                        i32: blocks64.view(-1).view(i32)[:K * requests].view(K, requests)}
+        self._dtype = i64  # block dtype of the next plan: the last view's
+        self._planned_dtype = i64  # block dtype of the current plan
+        self._dummy_columns = i64  # the dtype whose D columns the padded table holds
+        # Host state of the loop: rows planned, padded count, advances since the begin.
+        self.count = 0
+        self.padded = 0
+        self.valid = False
+        self.depth = 0
+        # Per-depth source rows (prefix caches).
+        self._src: List[Dict[str, _Cut]] = []
+        for d in range(K):
+            self._src.append({
+                "local": _cuts(self._local[d], True),
+                "pos32": _cuts(self._positions[d], True),
+                "pos64": _cuts(self._quotients[0, d], True),
+                "kv": _cuts(self._positions[d + 1], True),
+                "sums_kv": _cuts(self._sums_kv[d], True)})
+        self._consts = {"ones_zeros": _Cut(self._ones_zeros), "zeros": _Cut(self._zeros),
+                        "arange": _Cut(self._arange), "sums_q": _Cut(self._sums_q),
+                        "minus_one": _Cut(self._minus_one),
+                        "table": _Cut(buffers.block_table),
+                        "query": _Cut(buffers.query_lengths),
+                        "kv_buf": _Cut(buffers.kv_lengths)}
+        self._dummy_cuts = {dtype: _cuts(t, True) for dtype, t in self._dummies.items()}
+        self._block_cuts = {dtype: [_cuts(blocks[d], True) for d in range(K)]
+                            for dtype, blocks in self._blocks.items()}
+        self._queries: Dict[int, _Cut] = {}  # window caches (_window)
+        self._cu_queries: Dict[int, _Cut] = {}
+        self._minus_rows: Dict[int, Tensor] = {}  # pad rows -> [rows, W] of -1
+        # The begin's views by (block dtype, n) and by p (at most 2R + 2 and R + 1).
+        self._row_cache: Dict[Any, Tuple[Tensor, ...]] = {}
+        self._padded_cache: Dict[int, Tuple[Tensor, ...]] = {}
+
+    # ------------------------------------------------------------------- begin
+    def begin(self, count: int, padded: int, start_positions: Tensor,
+              table_src: Tensor) -> None:
+        """Copy the inputs (``offsets[:n]``, ``block_table[:n]``, ``draft_count``) and
+        plan depths ``0..K-1`` of the loop: 10 device ops (see the module docstring)."""
+        n, p, w = count, padded, self.width
+        dtype = self._dtype
+        table = self._tables[dtype]
+        if self._dummy_columns is not dtype:  # a new block dtype: its D columns
+            table[:, ::w + 1].fill_(self.dummy)
+            self._dummy_columns = dtype
+        if n:
+            (table_rows, padded_rows, planned, divided, quotients, columns, index, blocks,
+             positions, local) = self._rows_views(dtype, n)
+            table_rows.copy_(table_src[:n], non_blocking=True)
+            padded_rows.copy_(table_src[:n], non_blocking=True)
+            # offsets[:n] (row [0, 0]), offsets + d, offsets + d + BS and the starts
+            # again (row [2, 0]), in one add.
+            torch.add(start_positions[:n], self._steps, out=planned)
+        stale = min(self._dirty, p)
+        if stale > n:  # an older loop's starts in [n, p): zero them for the sums
+            self._starts[n:stale].zero_()
+        self._dirty = n if self._dirty <= p else max(n, self._dirty)
+        arange, clamped, starts, sums_body, sums_start, sums_q, sums_kv = \
+            self._padded_views(p)
+        # cu_q[:p + 1] = min(i, n), then draft_count = min(p + 1, n) = n.
+        torch.clamp(arange, max=n, out=clamped)
+        if n:
+            torch.floor_divide(divided, self._divisors, out=quotients)
+            columns.clamp_(0, w + 1)  # block column + 1
+            torch.gather(self._tables[dtype][:n], 1, index, out=blocks)
+            torch.remainder(positions, self.block_size, out=local)
+        # Sums of the start positions, flat past n: 1-D and contiguous, so CUDA's scan
+        # stages neither its input nor its output through a temporary.
+        torch.cumsum(starts, 0, dtype=torch.int32, out=sums_body)
+        # KV sums of depth d at slot j <= p: sum(offsets[:m]) + (d + 1) * m, m = min(j, n).
+        torch.addcmul(sums_start, self._kv_steps, sums_q, out=sums_kv)
+        self.count, self.padded, self.depth, self.valid = n, p, 0, True
+        self._planned_dtype = dtype
+
+    def _rows_views(self, dtype: torch.dtype, n: int) -> Tuple[Tensor, ...]:
+        """The begin's views over ``n`` rows (built once per block dtype and ``n``)."""
+        views = self._row_cache.get((dtype, n))
+        if views is None:
+            table = self._tables[dtype]
+            quotients = self._quotients[:, :, :n]
+            views = self._row_cache[(dtype, n)] = (
+                self.buffers.block_table[:n], table[:n, 1:self.width + 1],
+                self._planned_rows[:, :, :n], self._planned_rows[:2, :K, :n], quotients,
+                quotients[1], quotients[1].t(), self._blocks[dtype][:, :n].t(),
+                self._positions[:K, :n], self._local[:, :n])
+        return views
+
+    def _padded_views(self, p: int) -> Tuple[Tensor, ...]:
+        """The begin's views over ``p`` padded rows (built once per ``p``)."""
+        views = self._padded_cache.get(p)
+        if views is None:
+            row = self.requests + 1
+            views = self._padded_cache[p] = (
+                self._arange[:p + 2], self._clamp_region[row - p - 1:row + 1],
+                self._starts[:p], self._sums_start[1:p + 1], self._sums_start[:p + 1],
+                self._sums_q_window(p), self._sums_kv[:, :p + 1])
+        return views
+
+    def _sums_q_window(self, p: int) -> Tensor:
+        """The cumulative query lengths ``[:p + 1]`` (``min(j, n)``)."""
+        return self._window(self._cu_queries, self.requests - p).tensor
+
+    def covers(self, count: int, padded: int) -> bool:
+        """Whether the next depth is planned (same loop, depth < K)."""
+        return self.valid and self.depth < K and count == self.count and \
+            padded == self.padded
+
+    # ------------------------------------------------------------------- depth
+    def place(self, target: ViewTarget) -> None:
+        """Place planned depth ``self.depth`` into ``target`` and the persistent
+        query/KV lengths: one ``_foreach_copy_``, plus a ``copy_`` per pair whose
+        dtypes differ (none when the view's dtypes are the plan's)."""
+        side = target.plans.get("device_plan")
+        if side is None:
+            side = _ViewSide(target, self._dummies)
+            target.plans.put("device_plan", side)
+        # The next plan's block dtype: the view's, where D fits it.
+        self._dtype = side.plan_dtype
+        key = (self._planned_dtype, self.depth, self.count, self.padded)
+        placement = side.placements.get(key)
+        if placement is None:
+            placement = self._placement(side)
+            side.placements.put(key, placement)
+        dsts, srcs, singles = placement
+        if len(dsts) > 1:
+            torch._foreach_copy_(dsts, srcs, non_blocking=True)
+        elif dsts:
+            dsts[0].copy_(srcs[0], non_blocking=True)
+        for dst, source in singles:
+            dst.copy_(source, non_blocking=True)
+
+    def _placement(self, side: "_ViewSide") -> Tuple[List[Tensor], List[Tensor],
+                                                     List[Tuple[Tensor, Tensor]]]:
+        """The pairs that place the current depth into ``side``'s view: ``(dsts, srcs)``
+        of one ``_foreach_copy_`` (int32 words) and the dtype-converting ``singles``."""
+        f = side.fields
+        block = f.token_to_block_idx.dtype
+        n, p, d, row = self.count, self.padded, self.depth, self.requests + 1
+        src, c = self._src[d], self._consts
+        dsts: List[Tensor] = []
+        srcs: List[Tensor] = []
+        singles: List[Tuple[Tensor, Tensor]] = []
+        words, raw, scale = side.words, side.raw, side.scale
+
+        def put(name: str, a: int, b: int, cut: _Cut, source: Tensor) -> None:
+            """view.<name>[a:b] <- source[:b - a] (``cut``: its word prefixes)."""
+            if b <= a:
+                return
+            if getattr(f, name).dtype == source.dtype and \
+                    scale[name] == source.dtype.itemsize // 4:
+                s = scale[name]
+                dsts.append(words[name].pre(b * s) if a == 0 else
+                            words[name].rng(a * s, b * s))
+                srcs.append(cut.pre((b - a) * s))
+            else:
+                singles.append((raw[name].pre(b) if a == 0 else raw[name].rng(a, b),
+                                source[:b - a]))
+
+        planned = self._planned_dtype
+        put("token_to_block_idx", 0, n, self._block_cuts[planned][d],
+            self._blocks[planned][d])
+        dummy = block if block in self._dummies else torch.int64
+        put("token_to_block_idx", n, p, self._dummy_cuts[dummy], self._dummies[dummy])
+        put("token_to_local_position_within_kv_block", 0, n, src["local"], self._local[d])
+        put("token_to_local_position_within_kv_block", n, p, c["zeros"], self._zeros)
+        put("token_to_request_idx", 0, n, c["arange"], self._arange)
+        put("token_to_position_in_request", 0, n, src["pos32"], self._positions[d])
+        put("token_to_pos_ids", 0, n, src["pos64"], self._quotients[0, d])
+        window = self._window(self._queries, self.requests - n)
+        put("mha_query_lengths", 0, p, window, window.tensor)
+        put("mha_kv_seq_lengths", 0, n, src["kv"], self._positions[d + 1])
+        put("mha_kv_seq_lengths", n, p, c["zeros"], self._zeros)
+        window = self._window(self._cu_queries, row - p - 1)  # == R - p
+        put("mha_cu_query_seq_lengths", 0, p + 1, window, window.tensor)
+        put("mha_cu_kv_seq_lengths", 0, p + 1, src["sums_kv"], self._sums_kv[d])
+        self._table_rows(side, n, p, dsts, srcs, singles)
+        if n:  # the persistent lengths, as stage_decode_lengths writes them
+            dsts += [c["query"].pre(n), c["kv_buf"].pre(n)]
+            srcs += [c["ones_zeros"].pre(n), src["kv"].pre(n)]
+        return dsts, srcs, singles
+
+    def _window(self, cache: Dict[int, _Cut], start: int) -> _Cut:
+        """Prefix cache of a constant's window ``[start:]`` (``_queries``: the
+        ones-then-zeros at ``R - n``; ``_cu_queries``: the query sums at ``R - p``)."""
+        cut = cache.get(start)
+        if cut is None:
+            base = self._ones_zeros if cache is self._queries else self._sums_q
+            cut = cache[start] = _Cut(base[start:])
+        return cut
+
+    def _table_rows(self, side: _ViewSide, n: int, p: int, dsts: List[Tensor],
+                    srcs: List[Tensor], singles: List[Tuple[Tensor, Tensor]]) -> None:
+        """``mha_block_table[:n]`` from ``block_table``, ``[n:p]`` from -1 rows."""
+        cut = side.raw["mha_block_table"]
+        c = self._consts
+        if n:
+            dst, source = cut.pre(n), c["table"].pre(n)
+            if dst.dtype == source.dtype:
+                dsts.append(word_view(dst))
+                srcs.append(word_view(source))
+            else:
+                singles.append((dst, source))
+        if p > n:
+            w = side.width
+            dst = cut.rng(n, p)
+            minus = self._minus_rows.get(p - n)
+            if minus is None:
+                minus = self._minus_rows[p - n] = self._minus_one[:(p - n) * w].view(p - n, w)
+            (dsts.append(dst), srcs.append(minus)) if dst.dtype == minus.dtype \
+                else singles.append((dst, minus))

@@ -1,0 +1,99 @@
+"""The device-input draft loop (``mtpmeta.device_loop``) on CUDA. Skipped without CUDA.
+
+The CPU tests count dispatches; here the profiler counts launches, the caching
+allocator counts allocations and sync debug mode catches a sync. Failure stories: a
+planned depth whose ``_foreach_copy_`` falls back to one copy per pair, a strided
+``cumsum`` staging through a temporary at every begin, a sync hidden in the plan, or
+CUDA results that differ from the reference's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+from mtpmeta import VIEW_FIELDS, ContextGPUView, MTPMetadata  # noqa: E402
+from mtpmeta.bench.workload import StepConfig, make_steps  # noqa: E402
+from mtpmeta.reference import ReferenceGPUView, ReferenceMTPMetadata  # noqa: E402
+from tests.gpu.test_cuda_launches import _device_activity  # noqa: E402
+from tests.upstream_view import UpstreamLayoutView  # noqa: E402
+
+CONFIG = StepConfig()
+CUDA = torch.device("cuda")
+
+
+def _objects(layout):
+    meta = MTPMetadata(**CONFIG.metadata_kwargs())
+    meta.allocate(CUDA, mirror=True, max_tokens=CONFIG.max_tokens)
+    view = layout(CONFIG.max_requests, CONFIG.max_tokens, CONFIG.block_columns, CUDA)
+    return meta, view
+
+
+def _loop(meta, view, inputs, n, padded):
+    meta.begin_decode(n, padded, inputs.start_positions.to(CUDA),
+                      inputs.block_table.to(CUDA), False)
+    for _ in range(CONFIG.depths):
+        meta.setup_decode_step(view)
+        meta.advance_decode_step()
+    meta.end_forward()
+
+
+@pytest.mark.parametrize("layout", [ContextGPUView, UpstreamLayoutView],
+                         ids=["mtpmeta", "upstream"])
+def test_device_input_loop_matches_the_reference_on_cuda(layout):
+    meta, view = _objects(layout)
+    ref = ReferenceMTPMetadata(**CONFIG.metadata_kwargs())
+    ref.allocate(CUDA)
+    ref_view = ReferenceGPUView(CONFIG.max_requests, CONFIG.max_tokens,
+                                CONFIG.block_columns, CUDA)
+    for index, inputs in enumerate(make_steps(CONFIG, 4, seed=0)):
+        n, padded = CONFIG.active - 3 * index, CONFIG.padded_active
+        starts, table = inputs.start_positions.to(CUDA), inputs.block_table.to(CUDA)
+        meta.begin_decode(n, padded, starts, table, False)
+        ref.begin_decode(n, padded, starts, table, False)
+        for _ in range(CONFIG.depths):
+            meta.setup_decode_step(view)
+            ref.setup_decode_step(ref_view)
+            for f in VIEW_FIELDS:
+                assert torch.equal(getattr(view, f.name).cpu().long(),
+                                   getattr(ref_view, f.name).cpu().long()), f.name
+            meta.advance_decode_step()
+            ref.advance_decode_step()
+        meta.end_forward()
+        ref.end_forward()
+        assert torch.equal(meta.offsets.cpu(), ref.offsets.cpu())
+
+
+@pytest.mark.parametrize("layout", [ContextGPUView, UpstreamLayoutView],
+                         ids=["mtpmeta", "upstream"])
+def test_device_input_loop_launches_allocates_and_syncs_within_budget(layout):
+    """After warm-up loops: begin <= 12 launches, a planned depth <= 3, no sync, and no
+    allocation from the caching allocator across a whole loop."""
+    meta, view = _objects(layout)
+    steps = make_steps(CONFIG, 3, seed=0)
+    for inputs in steps:
+        _loop(meta, view, inputs, CONFIG.active, CONFIG.padded_active)
+    inputs = steps[1]
+    starts, table = inputs.start_positions.to(CUDA), inputs.block_table.to(CUDA)
+    begin = _device_activity(lambda: meta.begin_decode(
+        CONFIG.active, CONFIG.padded_active, starts, table, False))
+    depth = _device_activity(lambda: meta.setup_decode_step(view))
+    meta.end_forward()
+    if begin == 0 or depth == 0:
+        pytest.skip("the profiler recorded no CUDA activity (CUPTI not permitted?)")
+    assert begin <= 12 and depth <= 3, (begin, depth)
+    torch.cuda.synchronize()
+    allocations = torch.cuda.memory_stats()["allocation.all.allocated"]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        meta.begin_decode(CONFIG.active, CONFIG.padded_active, starts, table, False)
+        for _ in range(CONFIG.depths):
+            meta.setup_decode_step(view)
+            meta.advance_decode_step()
+        meta.end_forward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocations
