@@ -213,6 +213,9 @@ def check_view_device(geo: Geometry, target: ViewTarget) -> None:  # every write
 def check_decode_counts(geo: Geometry, active_request_count: Any,
                         padded_count: Any) -> Tuple[int, int]:
     """``(n, p)`` with ``0 <= n <= p <= max_requests``."""
+    if type(active_request_count) is int and type(padded_count) is int and \
+            0 <= active_request_count <= padded_count <= geo.max_requests:
+        return active_request_count, padded_count  # the hot path: plain ints in range
     count = as_count(active_request_count, "active_request_count",
                      high=geo.max_requests, high_name="max_requests")
     padded = check_padded(padded_count, "padded_count", count,
@@ -239,7 +242,8 @@ def check_begin_decode(geo: Geometry, active_request_count: Any, padded_count: A
     if starts.shape[0] < count:
         raise ValueError(f"start_positions: {starts.shape[0]} entries < "
                          f"active_request_count {count}")
-    if table.shape[0] < count or table.shape[1] != geo.max_kv_block_count:
+    rows, width = table.shape
+    if rows < count or width != geo.max_kv_block_count:
         raise ValueError(f"block_table_src: shape {tuple(table.shape)}, expected "
                          f"[>= {count}, max_kv_block_count {geo.max_kv_block_count}]")
     if not on_device:
@@ -325,15 +329,21 @@ def check_commit_inputs(geo: Geometry, target: ViewTarget, append_counts: Any,
     counts = as_host_counts(geo.max_requests, append_counts, "append_counts")
     num_prefill = counts.shape[0]
     table = as_host_ints(block_table, "block_table", ndim=2)
-    if table.shape[0] < num_prefill:
-        raise ValueError(f"block_table: {table.shape[0]} rows < {num_prefill} requests "
+    table_rows, width = table.shape
+    if table_rows < num_prefill:
+        raise ValueError(f"block_table: {table_rows} rows < {num_prefill} requests "
                          "(append_counts)")
-    _check_view_width(target, table.shape[1], "block_table width")
-    starts = as_optional_per_request(start_positions, "start_positions", num_prefill)
-    inherited = as_optional_per_request(inherited_blocks, "inherited_blocks", num_prefill)
-    columns = min(geo.max_kv_block_count, table.shape[1])
+    if width != target.width:
+        _check_view_width(target, width, "block_table width")
+    starts = None if start_positions is None else as_optional_per_request(
+        start_positions, "start_positions", num_prefill)
+    inherited = None if inherited_blocks is None else as_optional_per_request(
+        inherited_blocks, "inherited_blocks", num_prefill)
+    columns = geo.max_kv_block_count
+    if width < columns:
+        columns = width
     code, culprit, total, _ = native.checks.check_commit_inputs(
-        counts, starts if starts is not None else counts, starts is not None, columns,
+        counts, counts if starts is None else starts, starts is not None, columns,
         geo.block_size_tokens)
     if code:
         _raise_commit_status(geo, code, culprit, counts, starts, columns)
@@ -341,20 +351,32 @@ def check_commit_inputs(geo: Geometry, target: ViewTarget, append_counts: Any,
                    "gpu_view.mha_block_table dtype", target.fields.mha_block_table.dtype)
     # The written blocks and inherited counts: scanned by the commit kernel itself,
     # before its first write (raise_commit_block names a refusal).
-    if total > target.max_tokens:
+    max_tokens = target.max_tokens
+    if total > max_tokens:
         raise ValueError(f"append_counts: {total} tokens > max_tokens "
-                         f"{target.max_tokens} of gpu_view{_shortest_token_field(target)}")
-    padded_tokens = total if padded_token_count is None else check_padded(
-        padded_token_count, "padded_token_count", total, "total append_counts {count}",
-        high=target.max_tokens, high_name="gpu_view max_tokens")
+                         f"{max_tokens} of gpu_view{_shortest_token_field(target)}")
+    # Plain ints in range take the inline test; anything else check_padded's.
+    if padded_token_count is None:
+        padded_tokens = total
+    elif type(padded_token_count) is int and total <= padded_token_count <= max_tokens:
+        padded_tokens = padded_token_count
+    else:
+        padded_tokens = check_padded(
+            padded_token_count, "padded_token_count", total, "total append_counts {count}",
+            high=max_tokens, high_name="gpu_view max_tokens")
     pad = padded_tokens - total
     staged = num_prefill + 1 if pad > 0 and num_prefill < geo.max_requests \
         else num_prefill
-    min_padded = num_prefill if padded_request_count is None else check_padded(
-        padded_request_count, "padded_request_count", num_prefill,
-        "number of requests {count} (append_counts)")
-    padded_requests = max(min_padded, staged)
-    _check_view_capacity(target, requests=padded_requests)
+    if padded_request_count is None:
+        min_padded = num_prefill
+    elif type(padded_request_count) is int and padded_request_count >= num_prefill:
+        min_padded = padded_request_count
+    else:
+        min_padded = check_padded(padded_request_count, "padded_request_count",
+                                  num_prefill, "number of requests {count} (append_counts)")
+    padded_requests = min_padded if min_padded > staged else staged
+    if padded_requests > target.max_requests:
+        _check_view_capacity(target, requests=padded_requests)
     return (counts, starts, table, inherited, total, padded_tokens, pad, min_padded,
             padded_requests)
 

@@ -38,6 +38,8 @@ class DirectBackend:
         self.host_block_table = self._block_table  # the same memory, as on the mirror
         self._query_lengths = buffers.query_lengths.numpy()  # [R] int32
         self._kv_lengths = buffers.kv_lengths.numpy()  # [R] int32
+        # (target, decode_step's arguments after ``padded``) of the last depth's view
+        self._decode_tail: Tuple[Optional[ViewTarget], tuple] = (None, ())
 
     # ------------------------------------------------------------------ draft loop
     def begin_decode(self, count: int, start_positions: np.ndarray,
@@ -69,11 +71,14 @@ class DirectBackend:
         """One draft depth; the largest KV length, or (nothing written) -1 when an
         offset is negative or past the block table, ``-2 - i`` when row ``i`` writes a
         negative block or one past ``token_to_block_idx``."""
+        tail = self._decode_tail
+        if tail[0] is not target:  # the kernel's arguments after padded, per view
+            tail = self._decode_tail = (target, (
+                self.block_size, self.dummy, target.token_block_range[1],
+                self._query_lengths, self._kv_lengths, *target.token_arrays,
+                *target.request_arrays))
         return native.staging.decode_step(self.host_offsets, self._block_table, count,
-                                          padded, self.block_size, self.dummy,
-                                          target.token_block_range[1], self._query_lengths,
-                                          self._kv_lengths,
-                                          *target.token_arrays, *target.request_arrays)
+                                          padded, *tail[1])
 
     # ---------------------------------------------------------------- commit pass
     def stage_prefill_lengths(self, counts: np.ndarray, pad_tokens: int) -> int:

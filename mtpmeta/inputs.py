@@ -151,7 +151,14 @@ def as_host_ints(value: Any, name: str, *, ndim: int = 1) -> np.ndarray:
     Accepts numpy arrays, CPU or device torch tensors (a device tensor costs a sync, so
     callers route those to device ops instead), and Python sequences.
     """
-    array = _host_view(value)
+    kind = type(value)  # _host_view inlined: this runs for every array argument
+    if kind is _Tensor:
+        try:
+            array = value.numpy()
+        except _NO_VIEW:
+            array = None
+    else:
+        array = value if kind is _ndarray else None
     if array is not None:
         dtype = array.dtype
         if (dtype is _INT64 or dtype is _INT32) and array.ndim == ndim and \

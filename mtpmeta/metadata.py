@@ -437,7 +437,8 @@ class MTPMetadata(MetadataState, CapturedLoop, ViewWriters):
             raise ForwardModeError(f"setup_decode_step: forward_mode is "
                                    f"{self._forward_mode.name}, expected DRAFT (call "
                                    "begin_decode first)")
-        target = self._memo.target(gpu_view)
+        memo = self._memo
+        target = memo.target(gpu_view)
         count, padded = self.active_request_count, self.padded_count
         if padded > target.max_tokens or padded > target.max_requests or \
                 target.width != self.max_kv_block_count:  # the cheap per-depth check
@@ -446,7 +447,8 @@ class MTPMetadata(MetadataState, CapturedLoop, ViewWriters):
             return self._captured_step(target, gpu_view)
         if self._offsets_stale:  # a captured begin, then DRAFT re-entered by hand
             self._refuse_stale("setup_decode_step")
-        if backend.host_offsets_known:  # device start positions: not checked (a sync)
+        # device start positions: not checked (a sync); a table the view holds: no scan
+        if memo.narrow_table and backend.host_offsets_known:
             check_draft_blocks(self._geometry, target, backend.host_offsets,
                                backend.host_block_table, count)
         max_kv = backend.decode_step(target, count, padded, self.graphed)
@@ -467,7 +469,7 @@ class MTPMetadata(MetadataState, CapturedLoop, ViewWriters):
             max_k = max_kv if max_kv > 1 else 1  # upstream floors an empty forward at 1
         else:  # offsets came from a device tensor: the maximum would cost a sync
             max_k = None
-        return self._memo.shape(count, padded, count, padded, 1, max_k)
+        return memo.shape(count, padded, count, padded, 1, max_k)
 
     # --------------------------------------------------------------- commit pass
     def stage_prefill_lengths(self, append_counts: Tensor, pad_tokens: int) -> Tensor:
