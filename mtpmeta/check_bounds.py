@@ -17,7 +17,7 @@ from torch import Tensor
 
 from . import native
 from .gpu_view import ViewTarget
-from .inputs import INT64_MAX, as_count
+from .inputs import INT64_MAX, as_count, raise_bad_count
 
 if TYPE_CHECKING:
     from .checks import Geometry
@@ -59,6 +59,8 @@ if TokenStatus.OK != 0 or CarryStatus.OK != 0:
 # ------------------------------------------------------------ status decoders
 def _raise_commit_status(geo: Geometry, code: int, r: int, counts: np.ndarray,
                          starts: Optional[np.ndarray], columns: int) -> None:
+    if code == TokenStatus.NEGATIVE_COUNT:  # outside [0, 2**31)
+        raise_bad_count("append_counts", counts, r)
     if code == TokenStatus.NEGATIVE_POSITION:
         raise ValueError(f"start_positions: negative position {int(starts[r])} "
                          f"at index {r}")

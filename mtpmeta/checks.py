@@ -35,6 +35,7 @@ from .check_bounds import (CarryStatus, TokenStatus, _check_block_column,
 from .errors import ChunkCarryError, InvalidDtypeError
 from .gpu_view import ViewTarget
 from .inputs import (INT32_LIMIT, INT64_MAX, as_count, as_host_counts, as_host_ints,
+                     as_host_request_ints,
                      as_carry_source, as_optional_per_request, as_row_indices,
                      check_device_tensors, dtype_range, is_device_tensor,
                      is_int_dtype, kernel_optional, raise_row_out_of_range)
@@ -52,6 +53,7 @@ _first_bad_draft_block = native.checks.first_bad_draft_block
 _first_bad_token_block = native.checks.first_bad_token_block
 _INHERITED_OUT_OF_RANGE = native.checks.INHERITED_OUT_OF_RANGE
 _check_take = native.carry.check_take
+_INT64_MIN = -INT64_MAX - 1
 
 # What a check returns (host arrays, or device tensors on the device-op route):
 # (count, padded, start_positions, block_table, on_device)
@@ -166,6 +168,9 @@ def check_carry(geo: Geometry, hidden: Any, req_id: Any,
                 position: Any) -> Tuple[Tensor, int, int]:
     """``(source, req_id, position)``: ``source`` is ``hidden`` shaped to broadcast
     into the ``[1, 1, H]`` carry (detached), the keys are checked ints."""
+    if type(req_id) is int and type(position) is int and 0 <= req_id <= INT64_MAX and \
+            0 <= position <= INT64_MAX:  # the hot path: plain ints in range
+        return as_carry_source(hidden, geo.hidden_size, geo.hidden_dtype), req_id, position
     req_id = as_count(req_id, "req_id", high=INT64_MAX, high_name="int64 max")
     position = as_count(position, "position", high=INT64_MAX, high_name="int64 max")
     return as_carry_source(hidden, geo.hidden_size, geo.hidden_dtype), req_id, position
@@ -174,10 +179,13 @@ def check_carry(geo: Geometry, hidden: Any, req_id: Any,
 def check_take(carry_state: np.ndarray, req_id: Any, seam_position: Any) -> None:
     """Whether the live carry (``[valid, req_id, position]``) is ``req_id``'s at
     ``seam_position``; raises ``ChunkCarryError`` naming what differs."""
-    req_id = as_count(req_id, "req_id", low=-INT64_MAX - 1, high=INT64_MAX,
-                      high_name="int64 max")
-    seam_position = as_count(seam_position, "seam_position", low=-INT64_MAX - 1,
-                             high=INT64_MAX, high_name="int64 max")
+    if not (type(req_id) is int and type(seam_position) is int and
+            _INT64_MIN <= req_id <= INT64_MAX and
+            _INT64_MIN <= seam_position <= INT64_MAX):  # else: the checked conversion
+        req_id = as_count(req_id, "req_id", low=_INT64_MIN, high=INT64_MAX,
+                          high_name="int64 max")
+        seam_position = as_count(seam_position, "seam_position", low=_INT64_MIN,
+                                 high=INT64_MAX, high_name="int64 max")
     code = _check_take(carry_state, req_id, seam_position)
     if not code:
         return
@@ -326,7 +334,8 @@ def check_commit_inputs(geo: Geometry, target: ViewTarget, append_counts: Any,
             geo.runtime.to_host(x) if is_device_tensor(x, geo.runtime)
             and x.device.type != "meta" else x
             for x in (append_counts, block_table, start_positions, inherited_blocks))
-    counts = as_host_counts(geo.max_requests, append_counts, "append_counts")
+    # The counts' values are scanned by native.checks.check_commit_inputs below.
+    counts = as_host_request_ints(geo.max_requests, append_counts, "append_counts")
     num_prefill = counts.shape[0]
     table = as_host_ints(block_table, "block_table", ndim=2)
     table_rows, width = table.shape

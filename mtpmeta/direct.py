@@ -40,6 +40,7 @@ class DirectBackend:
         self._kv_lengths = buffers.kv_lengths.numpy()  # [R] int32
         # (target, decode_step's arguments after ``padded``) of the last depth's view
         self._decode_tail: Tuple[Optional[ViewTarget], tuple] = (None, ())
+        self._commit_tail: Tuple[Optional[ViewTarget], tuple] = (None, ())  # the same
 
     # ------------------------------------------------------------------ draft loop
     def begin_decode(self, count: int, start_positions: np.ndarray,
@@ -92,12 +93,15 @@ class DirectBackend:
                     ) -> Tuple[int, int, int, int]:
         """The commit pass; ``(T, m, padded_requests, max_len)``, or (nothing written)
         ``(-code, r, column, 0)`` for a bad written block (``native.staging.commit_pass``)."""
+        tail = self._commit_tail
+        if tail[0] is not target:  # the kernel's arguments after min_padded_requests
+            tail = self._commit_tail = (target, (
+                self.block_size, self.dummy, 0, self._block_table.shape[1],
+                target.token_block_range[1], self._query_lengths, *target.token_arrays,
+                *target.request_arrays))
         return native.staging.commit_pass(
             counts, *kernel_optional(starts), table, *kernel_optional(inherited),
-            padded_tokens, pad_tokens, self.max_requests, min_padded_requests,
-            self.block_size, self.dummy, 0, self._block_table.shape[1],
-            target.token_block_range[1],
-            self._query_lengths, *target.token_arrays, *target.request_arrays)
+            padded_tokens, pad_tokens, self.max_requests, min_padded_requests, *tail[1])
 
     # -------------------------------------------------------------------- writers
     def write_token_maps(self, target: ViewTarget, rows: np.ndarray,

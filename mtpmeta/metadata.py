@@ -531,7 +531,9 @@ class MTPMetadata(MetadataState, CapturedLoop, ViewWriters):
         Example: BS 4, R 2, counts [3, 3], tables [[0, -1], [1, -1]], 8 tokens ->
         lengths [3, 5], request 1 reads row [1, D].
         """
-        backend = self._require("setup_commit_pass")
+        backend = self._backend
+        if backend is None:
+            backend = self._require("setup_commit_pass")
         if self.draft_annotation_offset and inherited_blocks is not None:
             refuse_whole_annotations("setup_commit_pass", inherited_blocks,
                                      self._buffers.request_matched_prefix_blocks,
@@ -551,7 +553,9 @@ class MTPMetadata(MetadataState, CapturedLoop, ViewWriters):
         self.last_forward = ForwardRecord("commit", gpu_view, int(total), padded_tokens,
                                           staged, padded_requests,
                                           self._record_inherited(inherited))
-        max_len = max(int(max_len), 1)  # upstream floors an empty forward at 1
+        max_len = int(max_len)
+        if max_len < 1:  # upstream floors an empty forward at 1
+            max_len = 1
         return self._memo.shape(int(total), padded_tokens, staged, padded_requests,
                                 max_len, max_len)
 

@@ -8,7 +8,7 @@ caller input (that is ``mtpmeta.checks``).
 
 from __future__ import annotations
 
-from typing import Any, Optional, Set, Tuple
+from typing import Any, Dict, Optional, Set, Tuple
 
 import numpy as np
 import torch
@@ -177,6 +177,7 @@ class MetadataState:
         self._forward_mode = MTPForwardMode.NONE
         self._inherited_copy = None if buffers is None else np.zeros(
             self.max_requests, dtype=np.int64)  # [R]: a commit pass's inherited counts
+        self._inherited_views: Dict[int, np.ndarray] = {}  # its prefixes, by length (<= R)
         self.invalidate_chunk_boundary()
 
     def _require(self, method: str) -> Any:
@@ -237,12 +238,14 @@ class MetadataState:
             return None
         if isinstance(inherited, np.ndarray):
             size = inherited.shape[0]
-            scratch = self._inherited_copy
-            if size <= scratch.shape[0]:
-                copy = scratch[:size]
-                copy[:] = inherited
-                return copy
-            return inherited.copy()
+            copy = self._inherited_views.get(size)  # scratch[:size], built once per size
+            if copy is None:
+                scratch = self._inherited_copy
+                if size > scratch.shape[0]:
+                    return inherited.copy()
+                copy = self._inherited_views[size] = scratch[:size]
+            np.copyto(copy, inherited)
+            return copy
         return inherited.clone()
 
     def _target(self, gpu_view: Any) -> ViewTarget:
