@@ -54,6 +54,13 @@ _first_bad_token_block = native.checks.first_bad_token_block
 _INHERITED_OUT_OF_RANGE = native.checks.INHERITED_OUT_OF_RANGE
 _check_take = native.carry.check_take
 _INT64_MIN = -INT64_MAX - 1
+_INT32 = np.dtype(np.int32)
+
+
+def _int32_fits(table: np.ndarray, bounds: Tuple[int, int]) -> bool:
+    """True when ``table`` is int32 and ``bounds`` hold every int32: the common case,
+    where ``check_rows_fit`` has nothing to scan (it is called for the rest)."""
+    return table.dtype is _INT32 and bounds[0] <= -2**31 and bounds[1] >= 2**31 - 1
 
 # What a check returns (host arrays, or device tensors on the device-op route):
 # (count, padded, start_positions, block_table, on_device)
@@ -254,7 +261,7 @@ def check_begin_decode(geo: Geometry, active_request_count: Any, padded_count: A
     if rows < count or width != geo.max_kv_block_count:
         raise ValueError(f"block_table_src: shape {tuple(table.shape)}, expected "
                          f"[>= {count}, max_kv_block_count {geo.max_kv_block_count}]")
-    if not on_device:
+    if not on_device and not _int32_fits(table, geo.table_range):
         check_rows_fit(table, count, geo.table_range, "block_table_src",
                        "block_table_dtype", geo.block_table_dtype)
     return count, padded, starts, table, on_device
@@ -344,10 +351,15 @@ def check_commit_inputs(geo: Geometry, target: ViewTarget, append_counts: Any,
                          "(append_counts)")
     if width != target.width:
         _check_view_width(target, width, "block_table width")
-    starts = None if start_positions is None else as_optional_per_request(
-        start_positions, "start_positions", num_prefill)
-    inherited = None if inherited_blocks is None else as_optional_per_request(
-        inherited_blocks, "inherited_blocks", num_prefill)
+    starts = None if start_positions is None else as_host_ints(start_positions,
+                                                               "start_positions")
+    inherited = None if inherited_blocks is None else as_host_ints(inherited_blocks,
+                                                                   "inherited_blocks")
+    # Too few entries: as_optional_per_request raises, naming the argument.
+    if starts is not None and starts.shape[0] < num_prefill:
+        as_optional_per_request(starts, "start_positions", num_prefill)
+    if inherited is not None and inherited.shape[0] < num_prefill:
+        as_optional_per_request(inherited, "inherited_blocks", num_prefill)
     columns = geo.max_kv_block_count
     if width < columns:
         columns = width
@@ -356,8 +368,9 @@ def check_commit_inputs(geo: Geometry, target: ViewTarget, append_counts: Any,
         geo.block_size_tokens)
     if code:
         _raise_commit_status(geo, code, culprit, counts, starts, columns)
-    check_rows_fit(table, num_prefill, target.table_block_range, "block_table",
-                   "gpu_view.mha_block_table dtype", target.fields.mha_block_table.dtype)
+    if not _int32_fits(table, target.table_block_range):
+        check_rows_fit(table, num_prefill, target.table_block_range, "block_table",
+                       "gpu_view.mha_block_table dtype", target.fields.mha_block_table.dtype)
     # The written blocks and inherited counts: scanned by the commit kernel itself,
     # before its first write (raise_commit_block names a refusal).
     max_tokens = target.max_tokens

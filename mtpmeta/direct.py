@@ -17,6 +17,8 @@ from .inputs import kernel_optional
 
 __all__ = ["DirectBackend"]
 
+_ABSENT = kernel_optional(None)  # (placeholder, False): an optional array not given
+
 
 
 class DirectBackend:
@@ -100,7 +102,8 @@ class DirectBackend:
                 target.token_block_range[1], self._query_lengths, *target.token_arrays,
                 *target.request_arrays))
         return native.staging.commit_pass(
-            counts, *kernel_optional(starts), table, *kernel_optional(inherited),
+            counts, *(_ABSENT if starts is None else (starts, True)), table,
+            *(_ABSENT if inherited is None else (inherited, True)),
             padded_tokens, pad_tokens, self.max_requests, min_padded_requests, *tail[1])
 
     # -------------------------------------------------------------------- writers

@@ -34,7 +34,7 @@ __all__ = ["MTPMetadata"]
 # device tensor is read back, one sync), or a boolean mask of length R. Ints lie in
 # [-R, R), as torch's.
 Indices = Union[slice, int, Sequence[int], np.ndarray, Tensor]
-_DRAFT = MTPForwardMode.DRAFT
+_DRAFT, _COMMIT = MTPForwardMode.DRAFT, MTPForwardMode.COMMIT
 # Kernels the per-step methods call, bound once (a module attribute chain costs two
 # lookups per call on the hot path).
 _move_rows, _swap_rows, _reset_rows = (native.rows.move_rows, native.rows.swap_rows,
@@ -331,8 +331,9 @@ class MTPMetadata(MetadataState, CapturedLoop, ViewWriters):
             backend.begin_decode_device(count, starts, table)
             self._unchecked_table = (table, count)  # for check_invariants only
         else:
-            if self._captured_ids != geometry.table_range:  # a graph may replay after
-                self._check_begin_ids(table, count)  # this begin: ids its views hold
+            ids = self._captured_ids  # a graph may replay after this begin: the ids
+            if ids is not geometry.table_range and ids != geometry.table_range:
+                self._check_begin_ids(table, count)  # its views hold
             if not backend.begin_decode(count, starts, table):  # bad start: no write
                 raise_position_error(geometry, "start_positions", starts, count)
             self._unchecked_table = None
@@ -549,15 +550,16 @@ class MTPMetadata(MetadataState, CapturedLoop, ViewWriters):
         if refused < 0:  # a bad written block or inherited count: nothing written
             raise_commit_block(self._geometry, target, -refused, staged, padded_requests,
                                counts, starts, table, inherited)
-        self._forward_mode = MTPForwardMode.COMMIT
-        self.last_forward = ForwardRecord("commit", gpu_view, int(total), padded_tokens,
+        self._forward_mode = _COMMIT
+        total = int(total)
+        self.last_forward = ForwardRecord("commit", gpu_view, total, padded_tokens,
                                           staged, padded_requests,
                                           self._record_inherited(inherited))
         max_len = int(max_len)
         if max_len < 1:  # upstream floors an empty forward at 1
             max_len = 1
-        return self._memo.shape(int(total), padded_tokens, staged, padded_requests,
-                                max_len, max_len)
+        return self._memo.shape(total, padded_tokens, staged, padded_requests, max_len,
+                                max_len)
 
     # ----------------------------------------------------------------- debugging
     def check_invariants(self, gpu_view: Any = None) -> None:

@@ -29,6 +29,8 @@ from .types import ForwardRecord, MTPForwardMode
 
 __all__ = ["MetadataState", "carry_setter", "install_debug_checks_from_env"]
 
+_INT32 = np.dtype(np.int32)
+
 
 def carry_setter(index: int, convert: Any = None) -> Any:
     """Setter of ``_carry_state[index]`` (``[valid, req_id, position]``)."""
@@ -177,7 +179,10 @@ class MetadataState:
         self._forward_mode = MTPForwardMode.NONE
         self._inherited_copy = None if buffers is None else np.zeros(
             self.max_requests, dtype=np.int64)  # [R]: a commit pass's inherited counts
-        self._inherited_views: Dict[int, np.ndarray] = {}  # its prefixes, by length (<= R)
+        self._inherited_copy32 = None if buffers is None else np.zeros(
+            self.max_requests, dtype=np.int32)  # the same for int32 counts
+        # Their prefixes by length (<= R): n for the int32 scratch, -1 - n for the other.
+        self._inherited_views: Dict[int, np.ndarray] = {}
         self.invalidate_chunk_boundary()
 
     def _require(self, method: str) -> Any:
@@ -238,12 +243,14 @@ class MetadataState:
             return None
         if isinstance(inherited, np.ndarray):
             size = inherited.shape[0]
-            copy = self._inherited_views.get(size)  # scratch[:size], built once per size
+            # scratch[:size] of the input's dtype (a copy without a cast is cheaper)
+            key = size if inherited.dtype is _INT32 else -1 - size
+            copy = self._inherited_views.get(key)
             if copy is None:
-                scratch = self._inherited_copy
-                if size > scratch.shape[0]:
+                if size > self.max_requests:
                     return inherited.copy()
-                copy = self._inherited_views[size] = scratch[:size]
+                scratch = self._inherited_copy if key < 0 else self._inherited_copy32
+                copy = self._inherited_views[key] = scratch[:size]
             np.copyto(copy, inherited)
             return copy
         return inherited.clone()
