@@ -34,7 +34,7 @@ __all__ = ["MTPMetadata"]
 # device tensor is read back, one sync), or a boolean mask of length R. Ints lie in
 # [-R, R), as torch's.
 Indices = Union[slice, int, Sequence[int], np.ndarray, Tensor]
-_DRAFT, _COMMIT = MTPForwardMode.DRAFT, MTPForwardMode.COMMIT
+_NONE, _DRAFT, _COMMIT = MTPForwardMode.NONE, MTPForwardMode.DRAFT, MTPForwardMode.COMMIT
 # Kernels the per-step methods call, bound once (a module attribute chain costs two
 # lookups per call on the hot path).
 _move_rows, _swap_rows, _reset_rows = (native.rows.move_rows, native.rows.swap_rows,
@@ -379,7 +379,7 @@ class MTPMetadata(MetadataState, CapturedLoop, ViewWriters):
         """Leave MTP-forward mode; no buffer changes. A captured draft loop
         (``capture_setup=True``) ends here too: after it, default-route draft calls
         need a new ``begin_decode`` (``StaleOffsetsError``)."""
-        self._forward_mode = MTPForwardMode.NONE
+        self._forward_mode = _NONE
         self._capture_setup = False
 
     def stage_decode_lengths(self) -> Tuple[Tensor, Tensor]:
@@ -439,7 +439,12 @@ class MTPMetadata(MetadataState, CapturedLoop, ViewWriters):
                                    f"{self._forward_mode.name}, expected DRAFT (call "
                                    "begin_decode first)")
         memo = self._memo
-        target = memo.target(gpu_view)
+        last = memo.last_view  # memo.target's hit for a ContextGPUView, inlined
+        if last is not None and last[0]() is gpu_view and last[2] is not None and \
+                gpu_view.field_generation == last[2]:
+            target = last[1]
+        else:
+            target = memo.target(gpu_view)
         count, padded = self.active_request_count, self.padded_count
         if padded > target.max_tokens or padded > target.max_requests or \
                 target.width != self.max_kv_block_count:  # the cheap per-depth check

@@ -30,6 +30,7 @@ from .types import ForwardRecord, MTPForwardMode
 __all__ = ["MetadataState", "carry_setter", "install_debug_checks_from_env"]
 
 _INT32 = np.dtype(np.int32)
+_DRAFT = MTPForwardMode.DRAFT  # bound once: an enum member lookup costs about 1k instructions
 
 
 def carry_setter(index: int, convert: Any = None) -> Any:
@@ -217,7 +218,7 @@ class MetadataState:
         self.padded_count = padded
         self.active_offsets, self.active_block_table, self._active_lengths = views
         self.graphed = graphed
-        self._forward_mode = MTPForwardMode.DRAFT
+        self._forward_mode = _DRAFT
         self._decode_record = None  # a new draft loop: its first depth makes a record
         self._loop_after = None  # begin_decode sets it after this: its last_forward
         self._capture_setup = self._offsets_stale = False  # a captured begin sets it after
@@ -251,7 +252,7 @@ class MetadataState:
                     return inherited.copy()
                 scratch = self._inherited_copy if key < 0 else self._inherited_copy32
                 copy = self._inherited_views[key] = scratch[:size]
-            np.copyto(copy, inherited)
+            copy[...] = inherited
             return copy
         return inherited.clone()
 
