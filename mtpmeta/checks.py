@@ -31,7 +31,7 @@ from .check_bounds import (CarryStatus, TokenStatus, _check_block_column,
                            _raise_commit_status, _raise_inherited_range,
                            _raise_token_status, _raise_written_block, _scan_rows_fit,
                            _shortest_request_field, _shortest_token_field, check_padded,
-                           check_rows_fit)
+                           check_rows_fit, int32_rows_fit)
 from .errors import ChunkCarryError, InvalidDtypeError
 from .gpu_view import ViewTarget
 from .inputs import (INT32_LIMIT, INT64_MAX, as_count, as_host_counts, as_host_ints,
@@ -54,13 +54,6 @@ _first_bad_token_block = native.checks.first_bad_token_block
 _INHERITED_OUT_OF_RANGE = native.checks.INHERITED_OUT_OF_RANGE
 _check_take = native.carry.check_take
 _INT64_MIN = -INT64_MAX - 1
-_INT32 = np.dtype(np.int32)
-
-
-def _int32_fits(table: np.ndarray, bounds: Tuple[int, int]) -> bool:
-    """True when ``table`` is int32 and ``bounds`` hold every int32: the common case,
-    where ``check_rows_fit`` has nothing to scan (it is called for the rest)."""
-    return table.dtype is _INT32 and bounds[0] <= -2**31 and bounds[1] >= 2**31 - 1
 
 # What a check returns (host arrays, or device tensors on the device-op route):
 # (count, padded, start_positions, block_table, on_device)
@@ -261,7 +254,7 @@ def check_begin_decode(geo: Geometry, active_request_count: Any, padded_count: A
     if rows < count or width != geo.max_kv_block_count:
         raise ValueError(f"block_table_src: shape {tuple(table.shape)}, expected "
                          f"[>= {count}, max_kv_block_count {geo.max_kv_block_count}]")
-    if not on_device and not _int32_fits(table, geo.table_range):
+    if not on_device and not int32_rows_fit(table, geo.table_range):
         check_rows_fit(table, count, geo.table_range, "block_table_src",
                        "block_table_dtype", geo.block_table_dtype)
     return count, padded, starts, table, on_device
@@ -368,7 +361,7 @@ def check_commit_inputs(geo: Geometry, target: ViewTarget, append_counts: Any,
         geo.block_size_tokens)
     if code:
         _raise_commit_status(geo, code, culprit, counts, starts, columns)
-    if not _int32_fits(table, target.table_block_range):
+    if not int32_rows_fit(table, target.table_block_range):
         check_rows_fit(table, num_prefill, target.table_block_range, "block_table",
                        "gpu_view.mha_block_table dtype", target.fields.mha_block_table.dtype)
     # The written blocks and inherited counts: scanned by the commit kernel itself,

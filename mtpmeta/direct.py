@@ -20,7 +20,6 @@ __all__ = ["DirectBackend"]
 _ABSENT = kernel_optional(None)  # (placeholder, False): an optional array not given
 
 
-
 class DirectBackend:
     """Host kernels over CPU buffers. ``host_offsets`` IS the offsets buffer here."""
 
