@@ -30,7 +30,7 @@ _MAX_SHAPES = 4096
 class ForwardMemo:
     """Memo of one allocation (``buffers``, checked against ``geometry``)."""
 
-    __slots__ = ("_buffers", "_geometry", "_views", "last_view", "_shapes", "_prefill",
+    __slots__ = ("_buffers", "_geometry", "_views", "_last_view", "_shapes", "_prefill",
                  "active", "narrow_table")
 
     def __init__(self, buffers: PersistentBuffers, geometry: Geometry) -> None:
@@ -39,7 +39,7 @@ class ForwardMemo:
         self._views = ViewCache()
         # The last resolved view: (weakref to it, its target, the target's generation).
         # It skips the cache's lookup, its weakref and bound-method setup.
-        self.last_view: Optional[Tuple[Any, ViewTarget, Optional[int]]] = None
+        self._last_view: Optional[Tuple[Any, ViewTarget, Optional[int]]] = None
         # Whether the last resolved view's mha_block_table holds fewer block ids than
         # block_table_dtype (a draft depth then scans its rows: check_draft_blocks).
         self.narrow_table = False
@@ -49,7 +49,7 @@ class ForwardMemo:
 
     def target(self, gpu_view: Any) -> ViewTarget:
         """``gpu_view`` resolved (and checked to sit on the buffers' device)."""
-        last = self.last_view
+        last = self._last_view
         if last is not None:
             ref, target, generation = last
             if ref() is gpu_view and (gpu_view.field_generation == generation
@@ -61,9 +61,9 @@ class ForwardMemo:
         row_low, row_high = target.table_block_range
         self.narrow_table = low < row_low or high > row_high
         try:  # the generation is the target's: set only for an exact ContextGPUView
-            self.last_view = (weakref.ref(gpu_view), target, target.generation)
+            self._last_view = (weakref.ref(gpu_view), target, target.generation)
         except TypeError:  # no weak references to this view type: resolve every time
-            self.last_view = None
+            self._last_view = None
         return target
 
     def _accept(self, target: ViewTarget) -> None:

@@ -331,9 +331,8 @@ class MTPMetadata(MetadataState, CapturedLoop, ViewWriters):
             backend.begin_decode_device(count, starts, table)
             self._unchecked_table = (table, count)  # for check_invariants only
         else:
-            ids = self._captured_ids  # a graph may replay after this begin: the ids
-            if ids is not geometry.table_range and ids != geometry.table_range:
-                self._check_begin_ids(table, count)  # its views hold
+            if self._captured_ids != geometry.table_range:  # a graph may replay after
+                self._check_begin_ids(table, count)  # this begin: ids its views hold
             if not backend.begin_decode(count, starts, table):  # bad start: no write
                 raise_position_error(geometry, "start_positions", starts, count)
             self._unchecked_table = None
@@ -438,13 +437,7 @@ class MTPMetadata(MetadataState, CapturedLoop, ViewWriters):
             raise ForwardModeError(f"setup_decode_step: forward_mode is "
                                    f"{self._forward_mode.name}, expected DRAFT (call "
                                    "begin_decode first)")
-        memo = self._memo
-        last = memo.last_view  # memo.target's hit for a ContextGPUView, inlined
-        if last is not None and last[0]() is gpu_view and last[2] is not None and \
-                gpu_view.field_generation == last[2]:
-            target = last[1]
-        else:
-            target = memo.target(gpu_view)
+        target = self._memo.target(gpu_view)
         count, padded = self.active_request_count, self.padded_count
         if padded > target.max_tokens or padded > target.max_requests or \
                 target.width != self.max_kv_block_count:  # the cheap per-depth check
@@ -453,8 +446,7 @@ class MTPMetadata(MetadataState, CapturedLoop, ViewWriters):
             return self._captured_step(target, gpu_view)
         if self._offsets_stale:  # a captured begin, then DRAFT re-entered by hand
             self._refuse_stale("setup_decode_step")
-        # device start positions: not checked (a sync); a table the view holds: no scan
-        if memo.narrow_table and backend.host_offsets_known:
+        if self._memo.narrow_table and backend.host_offsets_known:  # else no scan
             check_draft_blocks(self._geometry, target, backend.host_offsets,
                                backend.host_block_table, count)
         max_kv = backend.decode_step(target, count, padded, self.graphed)
@@ -475,7 +467,7 @@ class MTPMetadata(MetadataState, CapturedLoop, ViewWriters):
             max_k = max_kv if max_kv > 1 else 1  # upstream floors an empty forward at 1
         else:  # offsets came from a device tensor: the maximum would cost a sync
             max_k = None
-        return memo.shape(count, padded, count, padded, 1, max_k)
+        return self._memo.shape(count, padded, count, padded, 1, max_k)
 
     # --------------------------------------------------------------- commit pass
     def stage_prefill_lengths(self, append_counts: Tensor, pad_tokens: int) -> Tensor:
@@ -537,9 +529,7 @@ class MTPMetadata(MetadataState, CapturedLoop, ViewWriters):
         Example: BS 4, R 2, counts [3, 3], tables [[0, -1], [1, -1]], 8 tokens ->
         lengths [3, 5], request 1 reads row [1, D].
         """
-        backend = self._backend
-        if backend is None:
-            backend = self._require("setup_commit_pass")
+        backend = self._backend or self._require("setup_commit_pass")
         if self.draft_annotation_offset and inherited_blocks is not None:
             refuse_whole_annotations("setup_commit_pass", inherited_blocks,
                                      self._buffers.request_matched_prefix_blocks,
@@ -555,14 +545,11 @@ class MTPMetadata(MetadataState, CapturedLoop, ViewWriters):
         if refused < 0:  # a bad written block or inherited count: nothing written
             raise_commit_block(self._geometry, target, -refused, staged, padded_requests,
                                counts, starts, table, inherited)
-        self._forward_mode = _COMMIT
-        total = int(total)
+        self._forward_mode, total = _COMMIT, int(total)
         self.last_forward = ForwardRecord("commit", gpu_view, total, padded_tokens,
                                           staged, padded_requests,
                                           self._record_inherited(inherited))
-        max_len = int(max_len)
-        if max_len < 1:  # upstream floors an empty forward at 1
-            max_len = 1
+        max_len = int(max_len) if max_len > 1 else 1  # upstream floors an empty one at 1
         return self._memo.shape(total, padded_tokens, staged, padded_requests, max_len,
                                 max_len)
 
