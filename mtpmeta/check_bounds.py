@@ -17,13 +17,13 @@ from torch import Tensor
 
 from . import native
 from .gpu_view import ViewTarget
-from .inputs import INT64_MAX, as_count
+from .inputs import INT64_MAX, as_count, raise_bad_count
 
 if TYPE_CHECKING:
     from .checks import Geometry
 
 __all__ = ["TokenStatus", "CarryStatus", "check_padded", "check_rows_fit",
-           "refuse_whole_annotations"]
+           "int32_rows_fit", "refuse_whole_annotations"]
 
 _first_outside_closed = native.checks.first_outside_closed
 
@@ -59,6 +59,8 @@ if TokenStatus.OK != 0 or CarryStatus.OK != 0:
 # ------------------------------------------------------------ status decoders
 def _raise_commit_status(geo: Geometry, code: int, r: int, counts: np.ndarray,
                          starts: Optional[np.ndarray], columns: int) -> None:
+    if code == TokenStatus.NEGATIVE_COUNT:  # outside [0, 2**31)
+        raise_bad_count("append_counts", counts, r)
     if code == TokenStatus.NEGATIVE_POSITION:
         raise ValueError(f"start_positions: negative position {int(starts[r])} "
                          f"at index {r}")
@@ -109,6 +111,13 @@ def check_rows_fit(table: np.ndarray, rows: int, bounds: Tuple[int, int], name: 
     row, column = native.checks.first_counted_outside(table, rows, counts, low, high)
     if row >= 0:
         _raise_unfit(table, row, column, bounds, name, what, dtype)
+
+
+def int32_rows_fit(table: np.ndarray, bounds: Tuple[int, int]) -> bool:
+    """True when ``table`` is int32 and ``bounds`` hold every int32: ``check_rows_fit``'s
+    free case, tested inline by the hot callers (they call it for the rest)."""
+    return table.dtype is _INT32_DTYPE and bounds[0] <= _INT32_MIN and \
+        bounds[1] >= _INT32_MAX
 
 
 def _scan_rows_fit(table: np.ndarray, rows: int, bounds: Tuple[int, int], name: str,

@@ -27,33 +27,32 @@ from torch import Tensor
 
 from . import native
 from .check_bounds import (CarryStatus, TokenStatus, _check_block_column,
-                           _check_view_capacity, _check_view_width, _padded_tokens,
+                           _check_view_capacity, _check_view_width,
                            _raise_commit_status, _raise_inherited_range,
-                           _raise_token_status, _raise_written_block, _scan_rows_fit,
-                           _shortest_request_field, _shortest_token_field, check_padded,
-                           check_rows_fit)
+                           _raise_written_block, _scan_rows_fit, _shortest_token_field,
+                           check_padded, check_rows_fit, int32_rows_fit)
 from .block_counts import (as_block_counts, check_commit_counts, raise_past_count,
                            refuse_device_table)
 from .errors import ChunkCarryError, InvalidDtypeError
 from .gpu_view import ViewTarget
 from .inputs import (INT32_LIMIT, INT64_MAX, as_count, as_host_counts, as_host_ints,
+                     as_host_request_ints,
                      as_carry_source, as_optional_per_request, as_row_indices,
                      check_device_tensors, dtype_range, is_device_tensor,
-                     is_int_dtype, kernel_optional, raise_row_out_of_range)
+                     is_int_dtype, raise_row_out_of_range)
 
 __all__ = ["Geometry", "TokenStatus", "CarryStatus", "check_config", "check_allocate",
            "check_row_pair", "raise_refused_row_pair", "check_carry", "check_take",
            "check_view_device", "check_decode_counts", "check_begin_decode",
            "check_decode_view", "raise_position_error", "check_prefill_lengths",
-           "check_commit_inputs", "check_token_inputs", "check_mha_inputs",
+           "check_commit_inputs",
            "check_draft_blocks", "raise_draft_block", "raise_commit_block",
            "check_rows_fit"]
 
-_first_outside = native.checks.first_outside
 _first_bad_draft_block = native.checks.first_bad_draft_block
-_first_bad_token_block = native.checks.first_bad_token_block
 _INHERITED_OUT_OF_RANGE = native.checks.INHERITED_OUT_OF_RANGE
 _check_take = native.carry.check_take
+_INT64_MIN = -INT64_MAX - 1
 
 # What a check returns (host arrays, or device tensors on the device-op route):
 # (count, padded, start_positions, block_table, on_device, block_counts)
@@ -168,6 +167,9 @@ def check_carry(geo: Geometry, hidden: Any, req_id: Any,
                 position: Any) -> Tuple[Tensor, int, int]:
     """``(source, req_id, position)``: ``source`` is ``hidden`` shaped to broadcast
     into the ``[1, 1, H]`` carry (detached), the keys are checked ints."""
+    if type(req_id) is int and type(position) is int and 0 <= req_id <= INT64_MAX and \
+            0 <= position <= INT64_MAX:  # the hot path: plain ints in range
+        return as_carry_source(hidden, geo.hidden_size, geo.hidden_dtype), req_id, position
     req_id = as_count(req_id, "req_id", high=INT64_MAX, high_name="int64 max")
     position = as_count(position, "position", high=INT64_MAX, high_name="int64 max")
     return as_carry_source(hidden, geo.hidden_size, geo.hidden_dtype), req_id, position
@@ -176,10 +178,13 @@ def check_carry(geo: Geometry, hidden: Any, req_id: Any,
 def check_take(carry_state: np.ndarray, req_id: Any, seam_position: Any) -> None:
     """Whether the live carry (``[valid, req_id, position]``) is ``req_id``'s at
     ``seam_position``; raises ``ChunkCarryError`` naming what differs."""
-    req_id = as_count(req_id, "req_id", low=-INT64_MAX - 1, high=INT64_MAX,
-                      high_name="int64 max")
-    seam_position = as_count(seam_position, "seam_position", low=-INT64_MAX - 1,
-                             high=INT64_MAX, high_name="int64 max")
+    if not (type(req_id) is int and type(seam_position) is int and
+            _INT64_MIN <= req_id <= INT64_MAX and
+            _INT64_MIN <= seam_position <= INT64_MAX):  # else: the checked conversion
+        req_id = as_count(req_id, "req_id", low=_INT64_MIN, high=INT64_MAX,
+                          high_name="int64 max")
+        seam_position = as_count(seam_position, "seam_position", low=_INT64_MIN,
+                                 high=INT64_MAX, high_name="int64 max")
     code = _check_take(carry_state, req_id, seam_position)
     if not code:
         return
@@ -215,6 +220,9 @@ def check_view_device(geo: Geometry, target: ViewTarget) -> None:  # every write
 def check_decode_counts(geo: Geometry, active_request_count: Any,
                         padded_count: Any) -> Tuple[int, int]:
     """``(n, p)`` with ``0 <= n <= p <= max_requests``."""
+    if type(active_request_count) is int and type(padded_count) is int and \
+            0 <= active_request_count <= padded_count <= geo.max_requests:
+        return active_request_count, padded_count  # the hot path: plain ints in range
     count = as_count(active_request_count, "active_request_count",
                      high=geo.max_requests, high_name="max_requests")
     padded = check_padded(padded_count, "padded_count", count,
@@ -245,12 +253,13 @@ def check_begin_decode(geo: Geometry, active_request_count: Any, padded_count: A
     if starts.shape[0] < count:
         raise ValueError(f"start_positions: {starts.shape[0]} entries < "
                          f"active_request_count {count}")
-    if table.shape[0] < count or table.shape[1] != geo.max_kv_block_count:
+    rows, width = table.shape
+    if rows < count or width != geo.max_kv_block_count:
         raise ValueError(f"block_table_src: shape {tuple(table.shape)}, expected "
                          f"[>= {count}, max_kv_block_count {geo.max_kv_block_count}]")
     used = None if block_counts is None else as_block_counts(
         geo, block_counts, count, geo.max_kv_block_count)
-    if not on_device:
+    if not on_device and not int32_rows_fit(table, geo.table_range):
         check_rows_fit(table, count, geo.table_range, "block_table_src",
                        "block_table_dtype", geo.block_table_dtype, used)
     return count, padded, starts, table, on_device, used
@@ -338,18 +347,30 @@ def check_commit_inputs(geo: Geometry, target: ViewTarget, append_counts: Any,
             geo.runtime.to_host(x) if is_device_tensor(x, geo.runtime)
             and x.device.type != "meta" else x
             for x in (append_counts, block_table, start_positions, inherited_blocks))
-    counts = as_host_counts(geo.max_requests, append_counts, "append_counts")
+    # The counts' values are scanned by native.checks.check_commit_inputs below.
+    counts = as_host_request_ints(geo.max_requests, append_counts, "append_counts")
     num_prefill = counts.shape[0]
     table = as_host_ints(block_table, "block_table", ndim=2)
-    if table.shape[0] < num_prefill:
-        raise ValueError(f"block_table: {table.shape[0]} rows < {num_prefill} requests "
+    table_rows, width = table.shape
+    if table_rows < num_prefill:
+        raise ValueError(f"block_table: {table_rows} rows < {num_prefill} requests "
                          "(append_counts)")
-    _check_view_width(target, table.shape[1], "block_table width")
-    starts = as_optional_per_request(start_positions, "start_positions", num_prefill)
-    inherited = as_optional_per_request(inherited_blocks, "inherited_blocks", num_prefill)
-    columns = min(geo.max_kv_block_count, table.shape[1])
+    if width != target.width:
+        _check_view_width(target, width, "block_table width")
+    starts = None if start_positions is None else as_host_ints(start_positions,
+                                                               "start_positions")
+    inherited = None if inherited_blocks is None else as_host_ints(inherited_blocks,
+                                                                   "inherited_blocks")
+    # Too few entries: as_optional_per_request raises, naming the argument.
+    if starts is not None and starts.shape[0] < num_prefill:
+        as_optional_per_request(starts, "start_positions", num_prefill)
+    if inherited is not None and inherited.shape[0] < num_prefill:
+        as_optional_per_request(inherited, "inherited_blocks", num_prefill)
+    columns = geo.max_kv_block_count
+    if width < columns:
+        columns = width
     code, culprit, total, _ = native.checks.check_commit_inputs(
-        counts, starts if starts is not None else counts, starts is not None, columns,
+        counts, counts if starts is None else starts, starts is not None, columns,
         geo.block_size_tokens)
     if code:
         _raise_commit_status(geo, code, culprit, counts, starts, columns)
@@ -357,25 +378,38 @@ def check_commit_inputs(geo: Geometry, target: ViewTarget, append_counts: Any,
     if block_counts is not None:
         used = as_block_counts(geo, block_counts, num_prefill, table.shape[1])
         check_commit_counts(geo, counts, starts, used)
-    check_rows_fit(table, num_prefill, target.table_block_range, "block_table",
-                   "gpu_view.mha_block_table dtype", target.fields.mha_block_table.dtype,
-                   used)
+    if not int32_rows_fit(table, target.table_block_range):
+        check_rows_fit(table, num_prefill, target.table_block_range, "block_table",
+                       "gpu_view.mha_block_table dtype", target.fields.mha_block_table.dtype,
+                       used)
     # The written blocks and inherited counts: scanned by the commit kernel itself,
     # before its first write (raise_commit_block names a refusal).
-    if total > target.max_tokens:
+    max_tokens = target.max_tokens
+    if total > max_tokens:
         raise ValueError(f"append_counts: {total} tokens > max_tokens "
-                         f"{target.max_tokens} of gpu_view{_shortest_token_field(target)}")
-    padded_tokens = total if padded_token_count is None else check_padded(
-        padded_token_count, "padded_token_count", total, "total append_counts {count}",
-        high=target.max_tokens, high_name="gpu_view max_tokens")
+                         f"{max_tokens} of gpu_view{_shortest_token_field(target)}")
+    # Plain ints in range take the inline test; anything else check_padded's.
+    if padded_token_count is None:
+        padded_tokens = total
+    elif type(padded_token_count) is int and total <= padded_token_count <= max_tokens:
+        padded_tokens = padded_token_count
+    else:
+        padded_tokens = check_padded(
+            padded_token_count, "padded_token_count", total, "total append_counts {count}",
+            high=max_tokens, high_name="gpu_view max_tokens")
     pad = padded_tokens - total
     staged = num_prefill + 1 if pad > 0 and num_prefill < geo.max_requests \
         else num_prefill
-    min_padded = num_prefill if padded_request_count is None else check_padded(
-        padded_request_count, "padded_request_count", num_prefill,
-        "number of requests {count} (append_counts)")
-    padded_requests = max(min_padded, staged)
-    _check_view_capacity(target, requests=padded_requests)
+    if padded_request_count is None:
+        min_padded = num_prefill
+    elif type(padded_request_count) is int and padded_request_count >= num_prefill:
+        min_padded = padded_request_count
+    else:
+        min_padded = check_padded(padded_request_count, "padded_request_count",
+                                  num_prefill, "number of requests {count} (append_counts)")
+    padded_requests = min_padded if min_padded > staged else staged
+    if padded_requests > target.max_requests:
+        _check_view_capacity(target, requests=padded_requests)
     return (counts, starts, table, inherited, total, padded_tokens, pad, min_padded,
             padded_requests, used)
 
@@ -395,88 +429,3 @@ def raise_commit_block(geo: Geometry, target: ViewTarget, code: int, r: int,
 
 
 # --------------------------------------------------------------------- writers
-def check_token_inputs(geo: Geometry, target: ViewTarget, rows: Any, positions: Any,
-                       block_table: Any, padded_token_count: Any,
-                       inherited_blocks: Any) -> TokenInputs:
-    """``write_token_maps``'s inputs; on the host, every token's row and position are
-    scanned (``native.checks.check_token_inputs``) before anything is written."""
-    if geo.mirror and any(is_device_tensor(x, geo.runtime) for x in
-                          (rows, positions, block_table, inherited_blocks)):
-        named = (("rows", rows, 1), ("positions", positions, 1),
-                 ("block_table", block_table, 2), ("inherited_blocks", inherited_blocks, 1))
-        check_device_tensors(geo.device, named[:3] if inherited_blocks is None else named)
-        if rows.shape[0] != positions.shape[0]:
-            raise ValueError(f"rows: {rows.shape[0]} entries, positions: "
-                             f"{positions.shape[0]}; they must have the same length")
-        count = positions.shape[0]
-        padded = _padded_tokens(target, padded_token_count, count)
-        return rows, positions, block_table, inherited_blocks, count, padded, True
-    rows_np = as_host_ints(rows, "rows")
-    positions_np = as_host_ints(positions, "positions")
-    table = as_host_ints(block_table, "block_table", ndim=2)
-    inherited = None if inherited_blocks is None else as_host_ints(
-        inherited_blocks, "inherited_blocks")
-    count = positions_np.shape[0]
-    if rows_np.shape[0] != count:
-        raise ValueError(f"rows: {rows_np.shape[0]} entries, positions: {count}; they "
-                         "must have the same length")
-    padded = _padded_tokens(target, padded_token_count, count)
-    columns = min(geo.max_kv_block_count, table.shape[1])
-    code, t = native.checks.check_token_inputs(
-        rows_np, positions_np, table.shape[0],
-        0 if inherited is None else inherited.shape[0], inherited is not None, columns,
-        geo.block_size_tokens)
-    if code:
-        _raise_token_status(geo, code, t, rows_np, positions_np, table, inherited,
-                            columns)
-    code, t = _first_bad_token_block(
-        rows_np, positions_np, table, *kernel_optional(inherited), geo.block_size_tokens,
-        geo.max_kv_block_count, target.token_block_range[1])
-    if code == _INHERITED_OUT_OF_RANGE:
-        _raise_inherited_range(geo, inherited, int(rows_np[t]))
-    if code:
-        row, column = int(rows_np[t]), int(positions_np[t]) // geo.block_size_tokens
-        _raise_written_block("block_table", int(table[row, column]), row, column,
-                             f"token {t} (position {int(positions_np[t])})", target)
-    return rows_np, positions_np, table, inherited, count, padded, False
-
-
-def check_mha_inputs(geo: Geometry, target: ViewTarget, query_lengths: Any,
-                     kv_lengths: Any, block_table: Any,
-                     padded_request_count: Any) -> MhaInputs:
-    """``write_mha_metadata``'s inputs; ``kv_lengths`` may be ``query_lengths`` itself."""
-    if geo.mirror and any(is_device_tensor(x, geo.runtime) for x in
-                          (query_lengths, kv_lengths, block_table)):
-        check_device_tensors(geo.device, (("query_lengths", query_lengths, 1),
-                                          ("kv_lengths", kv_lengths, 1),
-                                          ("block_table", block_table, 2)))
-        q, kv, table, on_device = query_lengths, kv_lengths, block_table, True
-    else:
-        q = as_host_ints(query_lengths, "query_lengths")
-        kv = q if kv_lengths is query_lengths else as_host_ints(kv_lengths, "kv_lengths")
-        table = as_host_ints(block_table, "block_table", ndim=2)
-        on_device = False
-    count = q.shape[0]
-    if kv.shape[0] != count:
-        raise ValueError(f"kv_lengths: {kv.shape[0]} entries, query_lengths: {count}; "
-                         "they must have the same length")
-    if table.shape[0] > count:
-        raise ValueError(f"block_table: {table.shape[0]} rows > {count} requests "
-                         "(query_lengths)")
-    _check_view_width(target, table.shape[1], "block_table width")
-    if not on_device:
-        check_rows_fit(table, table.shape[0], target.table_block_range, "block_table",
-                       "gpu_view.mha_block_table dtype", target.fields.mha_block_table.dtype)
-        for name, lengths in (("query_lengths", q), ("kv_lengths", kv)):
-            bad = _first_outside(lengths, 0, INT32_LIMIT)
-            if bad >= 0:
-                kind = "negative length" if lengths[bad] < 0 else "length beyond int32"
-                raise ValueError(f"{name}: {kind} {int(lengths[bad])} at index {bad}")
-    if count > target.max_requests:
-        raise ValueError(f"query_lengths: {count} requests > max_requests "
-                         f"{target.max_requests} of gpu_view"
-                         f"{_shortest_request_field(target)}")
-    padded = check_padded(padded_request_count, "padded_request_count", count,
-                          "number of requests {count}", high=target.max_requests,
-                          high_name="gpu_view max_requests")
-    return q, kv, table, count, padded, on_device

@@ -18,6 +18,7 @@ from .inputs import kernel_optional
 
 __all__ = ["DirectBackend"]
 
+_ABSENT = kernel_optional(None)  # (placeholder, False): an optional array not given
 
 
 class DirectBackend:
@@ -45,6 +46,9 @@ class DirectBackend:
         self._full_counts = np.full(max_requests, width, dtype=np.int32)
         self._counts = np.zeros(max_requests, dtype=np.int32)
         self.host_block_counts = self._full_counts
+        # (target, decode_step's arguments after ``padded``) of the last depth's view
+        self._decode_tail: Tuple[Optional[ViewTarget], tuple] = (None, ())
+        self._commit_tail: Tuple[Optional[ViewTarget], tuple] = (None, ())  # the same
 
     # ------------------------------------------------------------------ draft loop
     def begin_decode(self, count: int, start_positions: np.ndarray,
@@ -87,12 +91,14 @@ class DirectBackend:
         """One draft depth; the largest KV length, or (nothing written) -1 when an
         offset is negative or past the block table, ``-2 - i`` when row ``i`` writes a
         negative block or one past ``token_to_block_idx``."""
+        tail = self._decode_tail
+        if tail[0] is not target:  # the kernel's arguments after padded, per view
+            tail = self._decode_tail = (target, (
+                self.block_size, self.dummy, target.token_block_range[1],
+                self._query_lengths, self._kv_lengths, *target.token_arrays,
+                *target.request_arrays))
         return native.staging.decode_step(self.host_offsets, self._block_table,
-                                          self.host_block_counts, count,
-                                          padded, self.block_size, self.dummy,
-                                          target.token_block_range[1], self._query_lengths,
-                                          self._kv_lengths,
-                                          *target.token_arrays, *target.request_arrays)
+                                          self.host_block_counts, count, padded, *tail[1])
 
     # ---------------------------------------------------------------- commit pass
     def stage_prefill_lengths(self, counts: np.ndarray, pad_tokens: int) -> int:
@@ -115,12 +121,16 @@ class DirectBackend:
                 self.max_requests, min_padded_requests, self.block_size, self.dummy,
                 self._block_table.shape[1], target.token_block_range[1],
                 self._query_lengths, target.token_arrays, target.request_arrays, known, 0)
+        tail = self._commit_tail
+        if tail[0] is not target:  # the kernel's arguments after min_padded_requests
+            tail = self._commit_tail = (target, (
+                self.block_size, self.dummy, 0, self._block_table.shape[1],
+                target.token_block_range[1], self._query_lengths, *target.token_arrays,
+                *target.request_arrays))
         return native.staging.commit_pass(
-            counts, *kernel_optional(starts), table, *kernel_optional(inherited),
-            padded_tokens, pad_tokens, self.max_requests, min_padded_requests,
-            self.block_size, self.dummy, 0, self._block_table.shape[1],
-            target.token_block_range[1],
-            self._query_lengths, *target.token_arrays, *target.request_arrays)
+            counts, *(_ABSENT if starts is None else (starts, True)), table,
+            *(_ABSENT if inherited is None else (inherited, True)),
+            padded_tokens, pad_tokens, self.max_requests, min_padded_requests, *tail[1])
 
     # -------------------------------------------------------------------- writers
     def write_token_maps(self, target: ViewTarget, rows: np.ndarray,

@@ -27,6 +27,8 @@ __all__ = [
     "RowIndex",
     "kernel_optional",
     "as_host_counts",
+    "as_host_request_ints",
+    "raise_bad_count",
     "as_carry_source",
     "as_optional_per_request",
     "check_device_tensors",
@@ -151,7 +153,14 @@ def as_host_ints(value: Any, name: str, *, ndim: int = 1) -> np.ndarray:
     Accepts numpy arrays, CPU or device torch tensors (a device tensor costs a sync, so
     callers route those to device ops instead), and Python sequences.
     """
-    array = _host_view(value)
+    kind = type(value)  # _host_view inlined: this runs for every array argument
+    if kind is _Tensor:
+        try:
+            array = value.numpy()
+        except _NO_VIEW:
+            array = None
+    else:
+        array = value if kind is _ndarray else None
     if array is not None:
         dtype = array.dtype
         if (dtype is _INT64 or dtype is _INT32) and array.ndim == ndim and \
@@ -192,9 +201,16 @@ def as_row_indices(value: Any, num_rows: int, name: str) -> RowIndex:
     that kernel writes anything (``raise_row_out_of_range`` turns its answer into the
     IndexError).
     """
-    if type(value) is slice:
+    kind = type(value)
+    if kind is slice:
         return value
-    array = _host_view(value)
+    if kind is _Tensor:  # _host_view inlined
+        try:
+            array = value.numpy()
+        except _NO_VIEW:
+            array = None
+    else:
+        array = value if kind is _ndarray else None
     if array is not None:
         dtype = array.dtype
         if (dtype is _INT64 or dtype is _INT32) and array.ndim == 1 and \
@@ -232,15 +248,27 @@ def is_int_dtype(dtype: torch.dtype) -> bool:
 
 def as_host_counts(max_requests: int, value: Any, name: str) -> np.ndarray:
     """Per-request counts ``[P <= max_requests]``, each in ``[0, 2**31)``."""
+    counts = as_host_request_ints(max_requests, value, name)
+    bad = _first_outside(counts, 0, INT32_LIMIT)
+    if bad >= 0:
+        raise_bad_count(name, counts, bad)
+    return counts
+
+
+def as_host_request_ints(max_requests: int, value: Any, name: str) -> np.ndarray:
+    """``as_host_counts`` without the value scan: ``[P <= max_requests]`` integers
+    (for a caller whose kernel scans them, ``raise_bad_count`` naming a refusal)."""
     counts = as_host_ints(value, name)
     if len(counts) > max_requests:
         raise ValueError(f"{name}: {len(counts)} requests > max_requests "
                          f"{max_requests}")
-    bad = _first_outside(counts, 0, INT32_LIMIT)
-    if bad >= 0:
-        kind = "negative count" if counts[bad] < 0 else "count beyond int32"
-        raise ValueError(f"{name}: {kind} {int(counts[bad])} at index {bad}")
     return counts
+
+
+def raise_bad_count(name: str, counts: np.ndarray, bad: int) -> None:
+    """Raise the ValueError for ``counts[bad]``, outside ``[0, 2**31)``."""
+    kind = "negative count" if counts[bad] < 0 else "count beyond int32"
+    raise ValueError(f"{name}: {kind} {int(counts[bad])} at index {bad}")
 
 
 def as_optional_per_request(value: Any, name: str,
@@ -276,6 +304,10 @@ def check_device_tensors(device: torch.device,
 def as_carry_source(hidden: Any, size: int, hidden_dtype: torch.dtype) -> torch.Tensor:
     """``hidden`` (a floating tensor of ``size`` elements, any shape) shaped to broadcast
     into the ``[1, 1, size]`` chunk carry, detached."""
+    if type(hidden) is _Tensor and hidden.dtype is hidden_dtype and \
+            hidden.shape == (1, 1, size) and not hidden.requires_grad and \
+            not hidden.is_meta:
+        return hidden  # the hot path: already the carry's shape and dtype
     if not isinstance(hidden, torch.Tensor):
         try:
             hidden = torch.as_tensor(hidden)

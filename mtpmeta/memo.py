@@ -31,15 +31,18 @@ class ForwardMemo:
     """Memo of one allocation (``buffers``, checked against ``geometry``)."""
 
     __slots__ = ("_buffers", "_geometry", "_views", "_last_view", "_shapes", "_prefill",
-                 "active")
+                 "active", "narrow_table")
 
     def __init__(self, buffers: PersistentBuffers, geometry: Geometry) -> None:
         self._buffers = buffers
         self._geometry = geometry
         self._views = ViewCache()
-        # The last resolved view: (weakref to it, its target). It skips the cache's
-        # lookup, its weakref and bound-method setup.
-        self._last_view: Optional[Tuple[Any, ViewTarget]] = None
+        # The last resolved view: (weakref to it, its target, the target's generation).
+        # It skips the cache's lookup, its weakref and bound-method setup.
+        self._last_view: Optional[Tuple[Any, ViewTarget, Optional[int]]] = None
+        # Whether the last resolved view's mha_block_table holds fewer block ids than
+        # block_table_dtype (a draft depth then scans its rows: check_draft_blocks).
+        self.narrow_table = False
         self._shapes = BoundedCache(_MAX_SHAPES)  # ForwardShape by its fields
         self._prefill = BoundedCache(_MAX_SHAPES)  # query_lengths[:m] by m
         self.active = BoundedCache(_MAX_SHAPES)  # ActiveViews by n; ``add_active`` fills it
@@ -47,11 +50,18 @@ class ForwardMemo:
     def target(self, gpu_view: Any) -> ViewTarget:
         """``gpu_view`` resolved (and checked to sit on the buffers' device)."""
         last = self._last_view
-        if last is not None and last[0]() is gpu_view and last[1].still_matches(gpu_view):
-            return last[1]
+        if last is not None:
+            ref, target, generation = last
+            if ref() is gpu_view and (gpu_view.field_generation == generation
+                                      if generation is not None
+                                      else target.still_matches(gpu_view)):
+                return target
         target = self._views.resolve(gpu_view, self._accept)
-        try:
-            self._last_view = (weakref.ref(gpu_view), target)
+        low, high = self._geometry.table_range
+        row_low, row_high = target.table_block_range
+        self.narrow_table = low < row_low or high > row_high
+        try:  # the generation is the target's: set only for an exact ContextGPUView
+            self._last_view = (weakref.ref(gpu_view), target, target.generation)
         except TypeError:  # no weak references to this view type: resolve every time
             self._last_view = None
         return target

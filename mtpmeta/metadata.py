@@ -33,7 +33,7 @@ __all__ = ["MTPMetadata"]
 # device tensor is read back, one sync), or a boolean mask of length R. Ints lie in
 # [-R, R), as torch's.
 Indices = Union[slice, int, Sequence[int], np.ndarray, Tensor]
-_DRAFT = MTPForwardMode.DRAFT
+_NONE, _DRAFT, _COMMIT = MTPForwardMode.NONE, MTPForwardMode.DRAFT, MTPForwardMode.COMMIT
 # Kernels the per-step methods call, bound once (a module attribute chain costs two
 # lookups per call on the hot path).
 _move_rows, _swap_rows, _reset_rows = (native.rows.move_rows, native.rows.swap_rows,
@@ -377,7 +377,7 @@ class MTPMetadata(MetadataState, CapturedLoop, ViewWriters):
         """Leave MTP-forward mode; no buffer changes. A captured draft loop
         (``capture_setup=True``) ends here too: after it, default-route draft calls
         need a new ``begin_decode`` (``StaleOffsetsError``)."""
-        self._forward_mode = MTPForwardMode.NONE
+        self._forward_mode = _NONE
         self._capture_setup = False
 
     def stage_decode_lengths(self) -> Tuple[Tensor, Tensor]:
@@ -445,7 +445,7 @@ class MTPMetadata(MetadataState, CapturedLoop, ViewWriters):
             return self._captured_step(target, gpu_view)
         if self._offsets_stale:  # a captured begin, then DRAFT re-entered by hand
             self._refuse_stale("setup_decode_step")
-        if backend.host_offsets_known:  # device start positions: not checked (a sync)
+        if self._memo.narrow_table and backend.host_offsets_known:  # else no scan
             check_draft_blocks(self._geometry, target, backend.host_offsets,
                                backend.host_block_table, count)
         max_kv = backend.decode_step(target, count, padded, self.graphed)
@@ -528,7 +528,7 @@ class MTPMetadata(MetadataState, CapturedLoop, ViewWriters):
         Example: BS 4, R 2, counts [3, 3], tables [[0, -1], [1, -1]], 8 tokens ->
         lengths [3, 5], request 1 reads row [1, D]. ``block_counts``: opt-in, contract §5.
         """
-        backend = self._require("setup_commit_pass")
+        backend = self._backend or self._require("setup_commit_pass")
         self._refuse_whole_annotations("setup_commit_pass", inherited_blocks)
         target = self._memo.target(gpu_view)
         (counts, starts, table, inherited, total, padded_tokens, pad, min_padded,
@@ -541,13 +541,13 @@ class MTPMetadata(MetadataState, CapturedLoop, ViewWriters):
         if refused < 0:  # a bad written block or inherited count: nothing written
             raise_commit_block(self._geometry, target, -refused, staged, padded_requests,
                                counts, starts, table, inherited)
-        self._forward_mode = MTPForwardMode.COMMIT
-        self.last_forward = ForwardRecord("commit", gpu_view, int(total), padded_tokens,
+        self._forward_mode, total = _COMMIT, int(total)
+        self.last_forward = ForwardRecord("commit", gpu_view, total, padded_tokens,
                                           staged, padded_requests,
                                           self._record_inherited(inherited))
-        max_len = max(int(max_len), 1)  # upstream floors an empty forward at 1
-        return self._memo.shape(int(total), padded_tokens, staged, padded_requests,
-                                max_len, max_len)
+        max_len = int(max_len) if max_len > 1 else 1  # upstream floors an empty one at 1
+        return self._memo.shape(total, padded_tokens, staged, padded_requests, max_len,
+                                max_len)
 
     # ----------------------------------------------------------------- debugging
     def check_invariants(self, gpu_view: Any = None) -> None:

@@ -8,7 +8,7 @@ caller input (that is ``mtpmeta.checks``).
 
 from __future__ import annotations
 
-from typing import Any, Optional, Set, Tuple
+from typing import Any, Dict, Optional, Set, Tuple
 
 import numpy as np
 import torch
@@ -29,6 +29,9 @@ from .runtime import get_runtime
 from .types import ForwardRecord, MTPForwardMode
 
 __all__ = ["MetadataState", "carry_setter", "install_debug_checks_from_env"]
+
+_INT32 = np.dtype(np.int32)
+_DRAFT = MTPForwardMode.DRAFT  # bound once: an enum member lookup costs about 1k instructions
 
 
 def carry_setter(index: int, convert: Any = None) -> Any:
@@ -178,6 +181,10 @@ class MetadataState:
         self._forward_mode = MTPForwardMode.NONE
         self._inherited_copy = None if buffers is None else np.zeros(
             self.max_requests, dtype=np.int64)  # [R]: a commit pass's inherited counts
+        self._inherited_copy32 = None if buffers is None else np.zeros(
+            self.max_requests, dtype=np.int32)  # the same for int32 counts
+        # Their prefixes by length (<= R): n for the int32 scratch, -1 - n for the other.
+        self._inherited_views: Dict[int, np.ndarray] = {}
         self.invalidate_chunk_boundary()
 
     def _require(self, method: str) -> Any:
@@ -212,7 +219,7 @@ class MetadataState:
         self.padded_count = padded
         self.active_offsets, self.active_block_table, self._active_lengths = views
         self.graphed = graphed
-        self._forward_mode = MTPForwardMode.DRAFT
+        self._forward_mode = _DRAFT
         self._decode_record = None  # a new draft loop: its first depth makes a record
         self._loop_after = None  # begin_decode sets it after this: its last_forward
         self._capture_setup = self._offsets_stale = False  # a captured begin sets it after
@@ -247,12 +254,16 @@ class MetadataState:
             return None
         if isinstance(inherited, np.ndarray):
             size = inherited.shape[0]
-            scratch = self._inherited_copy
-            if size <= scratch.shape[0]:
-                copy = scratch[:size]
-                copy[:] = inherited
-                return copy
-            return inherited.copy()
+            # scratch[:size] of the input's dtype (a copy without a cast is cheaper)
+            key = size if inherited.dtype is _INT32 else -1 - size
+            copy = self._inherited_views.get(key)
+            if copy is None:
+                if size > self.max_requests:
+                    return inherited.copy()
+                scratch = self._inherited_copy if key < 0 else self._inherited_copy32
+                copy = self._inherited_views[key] = scratch[:size]
+            copy[...] = inherited
+            return copy
         return inherited.clone()
 
     def _target(self, gpu_view: Any) -> ViewTarget:

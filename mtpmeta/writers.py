@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 from torch import Tensor
 
-from .checks import check_mha_inputs, check_token_inputs
+from .writer_checks import check_mha_inputs, check_token_inputs
 from .types import ForwardRecord
 
 __all__ = ["ViewWriters"]

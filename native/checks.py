@@ -99,7 +99,8 @@ def check_commit_inputs(counts, starts, has_starts, max_columns, block_size):
     """Scan a commit pass's per-request spans; return ``(code, r, total, max_count)``.
 
     Request ``r`` writes positions ``starts[r] .. starts[r] + counts[r] - 1`` (start 0
-    without starts). Codes: NEGATIVE_COUNT, NEGATIVE_POSITION (a negative start),
+    without starts). Codes: NEGATIVE_COUNT (a count outside ``[0, 2**31)``: negative,
+    or beyond int32), NEGATIVE_POSITION (a negative start),
     BLOCK_COLUMN_TOO_LARGE (its last position's column >= max_columns). ``total`` is
     ``sum(counts)`` and ``max_count`` the largest count (both valid only when OK).
 
@@ -111,17 +112,18 @@ def check_commit_inputs(counts, starts, has_starts, max_columns, block_size):
     """
     total = 0
     max_count = 0
+    # The last position's column is >= max_columns exactly when the position is >=
+    # limit (both are >= 0 there): a compare, no division per request.
+    limit = np.int64(max_columns) * block_size
     for r in range(counts.shape[0]):
         count = np.int64(counts[r])
-        if count < 0:
+        if count < 0 or count >= 2**31:  # the view's lengths are int32
             return NEGATIVE_COUNT, r, 0, 0
         start = np.int64(starts[r]) if has_starts else np.int64(0)
         if start < 0:
             return NEGATIVE_POSITION, r, 0, 0
         # Bound start and count before adding them, so the sum cannot wrap in int64.
-        limit = np.int64(max_columns) * block_size
-        if count > 0 and (start >= limit or count > limit
-                          or (start + count - 1) // block_size >= max_columns):
+        if count > 0 and (start >= limit or count > limit or start + count > limit):
             return BLOCK_COLUMN_TOO_LARGE, r, 0, 0
         total += count
         if count > max_count:

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import mtpmeta.checks as checks_module
+import mtpmeta.writer_checks as writer_checks_module
 from tests.helpers import PATHS
 
 
@@ -20,5 +21,6 @@ def path(request):
 @pytest.fixture
 def device_route(monkeypatch):
     """Treat every torch tensor as a device tensor inside MTPMetadata's routing."""
-    monkeypatch.setattr(checks_module, "is_device_tensor",
-                        lambda value, runtime=None: isinstance(value, torch.Tensor))
+    for module in (checks_module, writer_checks_module):
+        monkeypatch.setattr(module, "is_device_tensor",
+                            lambda value, runtime=None: isinstance(value, torch.Tensor))

@@ -228,7 +228,7 @@ def check_commit_inputs(counts: np.ndarray, starts: Optional[np.ndarray], max_co
     counts = [int(c) for c in counts]
     for r, count in enumerate(counts):
         start = int(starts[r]) if starts is not None else 0
-        if count < 0:
+        if count < 0 or count >= 2**31:
             return NEGATIVE_COUNT, r, 0, 0
         if start < 0:
             return NEGATIVE_POSITION, r, 0, 0

@@ -160,6 +160,9 @@ CASES = [
         v["view"], [1] * 9, T3 * 3), ValueError, r"append_counts.*9.*max_requests 8"),
     Case("commit-negative-count", lambda m, v: m.setup_commit_pass(
         v["view"], [2, -1], T3), ValueError, r"append_counts.*-1"),
+    Case("commit-count-beyond-int32", lambda m, v: m.setup_commit_pass(
+        v["view"], [2, 2**31], T3), ValueError,
+        r"append_counts: count beyond int32 2147483648 at index 1"),
     Case("commit-negative-start", lambda m, v: m.setup_commit_pass(
         v["view"], [2, 1], T3, start_positions=[0, -2]), ValueError,
         r"start_positions.*-2"),

@@ -93,7 +93,6 @@ def floor_step(meta: MTPMetadata, view: Any, inputs: FloorInputs,
         backend.decode_step(target, count, padded, config.graphed)
         backend.advance_decode_step(count)
     counts, starts = inputs.append_counts, inputs.commit_starts
-    native.checks.first_outside(counts, 0, 2**31)
     native.checks.check_commit_inputs(counts, starts, True, config.block_columns,
                                        config.block_size)
     backend.commit_pass(target, counts, starts, inputs.block_table, inputs.inherited,
