@@ -282,7 +282,8 @@ class MTPMetadata(MetadataState, CapturedLoop, ViewWriters):
     # ---------------------------------------------------------------- draft loop
     def begin_decode(self, active_request_count: int, padded_count: int,
                      start_positions: Tensor, block_table_src: Tensor,
-                     graphed: bool, *, capture_setup: bool = False, block_counts: Any = None) -> None:
+                     graphed: bool, *, capture_setup: bool = False,
+                     block_counts: Optional[Tensor] = None) -> None:
         """Stage the draft loop: copy (never alias) ``start_positions[:n]`` into
         ``offsets[:n]`` and ``block_table_src[:n]`` into ``block_table[:n]``; enter DRAFT.
 
@@ -318,8 +319,9 @@ class MTPMetadata(MetadataState, CapturedLoop, ViewWriters):
         if type(graphed) is not bool:
             graphed = check_flag(graphed, "graphed")
         geometry = self._geometry
-        count, padded, starts, table, on_device, used = check_begin_decode(geometry,
-            active_request_count, padded_count, start_positions, block_table_src, block_counts)
+        count, padded, starts, table, on_device, used = check_begin_decode(
+            geometry, active_request_count, padded_count, start_positions,
+            block_table_src, block_counts)
         after = self.last_forward  # for check_invariants: the forward before the loop
         if capture_setup:
             self._begin_captured(backend, count, padded, starts, table, on_device, used)
@@ -451,7 +453,8 @@ class MTPMetadata(MetadataState, CapturedLoop, ViewWriters):
         max_kv = backend.decode_step(target, count, padded, self.graphed)
         if max_kv < -1:  # the kernel found a bad written block and wrote nothing
             raise_draft_block(self._geometry, target, backend.host_offsets,
-                              backend.host_block_table, -2 - max_kv, backend.host_block_counts)
+                              backend.host_block_table, -2 - max_kv,
+                              backend.host_block_counts)
         if max_kv < 0:  # the kernel found a bad offset and wrote nothing
             raise_position_error(self._geometry, "active_offsets", backend.host_offsets,
                                  count)
@@ -492,8 +495,9 @@ class MTPMetadata(MetadataState, CapturedLoop, ViewWriters):
     def setup_commit_pass(self, gpu_view: Any, append_counts: Tensor, block_table: Tensor,
                           *, start_positions: Optional[Tensor] = None,
                           inherited_blocks: Optional[Tensor] = None,
-                          padded_token_count: Optional[int] = None, block_counts: Any = None,
-                          padded_request_count: Optional[int] = None) -> ForwardShape:
+                          padded_token_count: Optional[int] = None,
+                          padded_request_count: Optional[int] = None,
+                          block_counts: Optional[Tensor] = None) -> ForwardShape:
         """The whole varlen commit pass in one call; sets ``forward_mode = COMMIT``.
 
         Request ``r`` (row ``r`` of ``block_table``) writes ``append_counts[r]``
