@@ -55,46 +55,28 @@ from .buffers import PLANNED_DEPTHS, PersistentBuffers
 from .cache import BoundedCache
 from .gpu_view import ViewTarget
 from .placement import word_view
+from .shadow_stage import _Prefixes
 
 __all__ = ["DraftPlan", "PLANNED_DEPTHS"]
 
 K = PLANNED_DEPTHS
 
 
-class _Cut:
-    """Prefixes ``[:k]`` and ranges ``[a:b]`` of one tensor, each built once."""
-
-    __slots__ = ("tensor", "cache")
-
-    def __init__(self, tensor: Tensor) -> None:
-        self.tensor = tensor
-        self.cache: Dict[Any, Tensor] = {}
-
-    def pre(self, k: int) -> Tensor:
-        value = self.cache.get(k)
-        if value is None:
-            value = self.cache[k] = self.tensor[:k]
-        return value
-
-    def rng(self, a: int, b: int) -> Tensor:
-        value = self.cache.get((a, b))
-        if value is None:
-            value = self.cache[(a, b)] = self.tensor[a:b]
-        return value
-
-
-def _cuts(tensor: Tensor, words: bool) -> _Cut:
-    return _Cut(word_view(tensor) if words else tensor)
+def _cuts(tensor: Tensor, words: bool, counter: List[int]) -> _Prefixes:
+    """Cached prefixes and row ranges of ``tensor`` (as int32 words with ``words``),
+    indexed in its own elements (``scale`` 1)."""
+    return _Prefixes(word_view(tensor) if words else tensor, False, counter)
 
 
 class _ViewSide:
     """One view's fields as prefix caches, raw and as int32 words (per target)."""
 
-    def __init__(self, target: ViewTarget, dummies: Dict[torch.dtype, Tensor]) -> None:
+    def __init__(self, target: ViewTarget, dummies: Dict[torch.dtype, Tensor],
+                 counter: List[int]) -> None:
         f = target.fields
         self.fields = f
-        self.raw = {name: _Cut(t) for name, t in zip(f._fields, f)}
-        self.words = {name: _Cut(word_view(t)) for name, t in zip(f._fields, f)}
+        self.raw = {name: _cuts(t, False, counter) for name, t in zip(f._fields, f)}
+        self.words = {name: _cuts(t, True, counter) for name, t in zip(f._fields, f)}
         self.scale = {name: (2 if t.dtype.itemsize == 8 and word_view(t) is not t else 1)
                       for name, t in zip(f._fields, f)}
         self.width = f.mha_block_table.shape[1] if f.mha_block_table.dim() == 2 else 0
@@ -173,26 +155,31 @@ class DraftPlan:
         self.padded = 0
         self.valid = False
         self.depth = 0
-        # Per-depth source rows (prefix caches).
-        self._src: List[Dict[str, _Cut]] = []
+        # Per-depth source rows (prefix caches; ``_builds[0]`` counts their views).
+        self._builds = [0]
+        self._src: List[Dict[str, _Prefixes]] = []
+
+        def cut(tensor: Tensor, words: bool = False) -> _Prefixes:
+            return _cuts(tensor, words, self._builds)
+
         for d in range(K):
             self._src.append({
-                "local": _cuts(self._local[d], True),
-                "pos32": _cuts(self._positions[d], True),
-                "pos64": _cuts(self._quotients[0, d], True),
-                "kv": _cuts(self._positions[d + 1], True),
-                "sums_kv": _cuts(self._sums_kv[d], True)})
-        self._consts = {"ones_zeros": _Cut(self._ones_zeros), "zeros": _Cut(self._zeros),
-                        "arange": _Cut(self._arange), "sums_q": _Cut(self._sums_q),
-                        "minus_one": _Cut(self._minus_one),
-                        "table": _Cut(buffers.block_table),
-                        "query": _Cut(buffers.query_lengths),
-                        "kv_buf": _Cut(buffers.kv_lengths)}
-        self._dummy_cuts = {dtype: _cuts(t, True) for dtype, t in self._dummies.items()}
-        self._block_cuts = {dtype: [_cuts(blocks[d], True) for d in range(K)]
+                "local": cut(self._local[d], True),
+                "pos32": cut(self._positions[d], True),
+                "pos64": cut(self._quotients[0, d], True),
+                "kv": cut(self._positions[d + 1], True),
+                "sums_kv": cut(self._sums_kv[d], True)})
+        self._consts = {"ones_zeros": cut(self._ones_zeros), "zeros": cut(self._zeros),
+                        "arange": cut(self._arange), "sums_q": cut(self._sums_q),
+                        "minus_one": cut(self._minus_one),
+                        "table": cut(buffers.block_table),
+                        "query": cut(buffers.query_lengths),
+                        "kv_buf": cut(buffers.kv_lengths)}
+        self._dummy_cuts = {dtype: cut(t, True) for dtype, t in self._dummies.items()}
+        self._block_cuts = {dtype: [cut(blocks[d], True) for d in range(K)]
                             for dtype, blocks in self._blocks.items()}
-        self._queries: Dict[int, _Cut] = {}  # window caches (_window)
-        self._cu_queries: Dict[int, _Cut] = {}
+        self._queries: Dict[int, _Prefixes] = {}  # window caches (_window)
+        self._cu_queries: Dict[int, _Prefixes] = {}
         self._minus_rows: Dict[int, Tensor] = {}  # pad rows -> [rows, W] of -1
         # The begin's views by (block dtype, n) and by p (at most 2R + 2 and R + 1).
         self._row_cache: Dict[Any, Tuple[Tensor, ...]] = {}
@@ -278,7 +265,7 @@ class DraftPlan:
         dtypes differ (none when the view's dtypes are the plan's)."""
         side = target.plans.get("device_plan")
         if side is None:
-            side = _ViewSide(target, self._dummies)
+            side = _ViewSide(target, self._dummies, self._builds)
             target.plans.put("device_plan", side)
         # The next plan's block dtype: the view's, where D fits it.
         self._dtype = side.plan_dtype
@@ -308,18 +295,18 @@ class DraftPlan:
         singles: List[Tuple[Tensor, Tensor]] = []
         words, raw, scale = side.words, side.raw, side.scale
 
-        def put(name: str, a: int, b: int, cut: _Cut, source: Tensor) -> None:
+        def put(name: str, a: int, b: int, cut: _Prefixes, source: Tensor) -> None:
             """view.<name>[a:b] <- source[:b - a] (``cut``: its word prefixes)."""
             if b <= a:
                 return
             if getattr(f, name).dtype == source.dtype and \
                     scale[name] == source.dtype.itemsize // 4:
                 s = scale[name]
-                dsts.append(words[name].pre(b * s) if a == 0 else
-                            words[name].rng(a * s, b * s))
-                srcs.append(cut.pre((b - a) * s))
+                dsts.append(words[name].prefix(b * s) if a == 0 else
+                            words[name].rows(a * s, b * s))
+                srcs.append(cut.prefix((b - a) * s))
             else:
-                singles.append((raw[name].pre(b) if a == 0 else raw[name].rng(a, b),
+                singles.append((raw[name].prefix(b) if a == 0 else raw[name].rows(a, b),
                                 source[:b - a]))
 
         planned = self._planned_dtype
@@ -341,17 +328,17 @@ class DraftPlan:
         put("mha_cu_kv_seq_lengths", 0, p + 1, src["sums_kv"], self._sums_kv[d])
         self._table_rows(side, n, p, dsts, srcs, singles)
         if n:  # the persistent lengths, as stage_decode_lengths writes them
-            dsts += [c["query"].pre(n), c["kv_buf"].pre(n)]
-            srcs += [c["ones_zeros"].pre(n), src["kv"].pre(n)]
+            dsts += [c["query"].prefix(n), c["kv_buf"].prefix(n)]
+            srcs += [c["ones_zeros"].prefix(n), src["kv"].prefix(n)]
         return dsts, srcs, singles
 
-    def _window(self, cache: Dict[int, _Cut], start: int) -> _Cut:
+    def _window(self, cache: Dict[int, _Prefixes], start: int) -> _Prefixes:
         """Prefix cache of a constant's window ``[start:]`` (``_queries``: the
         ones-then-zeros at ``R - n``; ``_cu_queries``: the query sums at ``R - p``)."""
         cut = cache.get(start)
         if cut is None:
             base = self._ones_zeros if cache is self._queries else self._sums_q
-            cut = cache[start] = _Cut(base[start:])
+            cut = cache[start] = _cuts(base[start:], False, self._builds)
         return cut
 
     def _table_rows(self, side: _ViewSide, n: int, p: int, dsts: List[Tensor],
@@ -360,7 +347,7 @@ class DraftPlan:
         cut = side.raw["mha_block_table"]
         c = self._consts
         if n:
-            dst, source = cut.pre(n), c["table"].pre(n)
+            dst, source = cut.prefix(n), c["table"].prefix(n)
             if dst.dtype == source.dtype:
                 dsts.append(word_view(dst))
                 srcs.append(word_view(source))
@@ -368,9 +355,12 @@ class DraftPlan:
                 singles.append((dst, source))
         if p > n:
             w = side.width
-            dst = cut.rng(n, p)
+            dst = cut.rows(n, p)
             minus = self._minus_rows.get(p - n)
             if minus is None:
                 minus = self._minus_rows[p - n] = self._minus_one[:(p - n) * w].view(p - n, w)
-            (dsts.append(dst), srcs.append(minus)) if dst.dtype == minus.dtype \
-                else singles.append((dst, minus))
+            if dst.dtype == minus.dtype:
+                dsts.append(dst)
+                srcs.append(minus)
+            else:
+                singles.append((dst, minus))

@@ -77,6 +77,11 @@ class _Prefixes:
         self.counter[0] += 1
         return value
 
+    def prefix(self, count: int) -> Tensor:
+        """``[:count]`` (times ``scale`` words), built once."""
+        value = self.cache.get(count)
+        return value if value is not None else self.build(count)
+
     def rows(self, start: int, stop: int) -> Tensor:
         value = self.ranges.get((start, stop))
         if value is None:
