@@ -8,7 +8,9 @@ and every commit pass and host-input writer goes one way: the kernel writes a ti
 *shadow* of the view into a pinned slot, one H2D copy moves it into that slot's own
 device stage, and a few device copies scatter it into the view (``_flush``). The slot's
 fence is recorded after the scatter, so neither the pinned slot nor its device stage is
-rewritten while any op that reads it may still be pending, on any stream.
+rewritten while any op that reads it may still be pending, on any stream. Draft depths
+and commit passes on the fixed stages land in the ring's one shared device zone instead
+(``shadow_stage.py``), ordered across streams by the stream order below.
 
 ``graphed=True`` means the MTP forward that follows replays a captured graph reading
 the view's fixed addresses; the setup itself runs here, eagerly, before each replay.
@@ -22,7 +24,8 @@ Streams: the persistent buffers (offsets, block table, query/KV lengths, the car
 one state. Every call that writes or reads them first orders itself after the previous
 such call when the current stream changed (``StreamOrder``: an event recorded on the
 previous stream, waited on by the current one), so a pass on stream B never rewrites a
-length that a forward issued on stream A has yet to read. View writers touch only the
+length that a forward issued on stream A has yet to read, nor the shared zone a depth or
+pass on stream A has yet to place from. View writers touch only the
 caller's view and their own slot's stage, and are not ordered.
 
 Caller device tensors that queued work reads (the carry's device hidden, device-route

@@ -16,7 +16,8 @@ and its pad rows from a persistent device block of -1, both device-to-device in 
 same ``_foreach_copy_``. So a depth's host work and H2D bytes do not grow with ``W``.
 Draft depths and commit passes stage through one fixed layout per view and kind
 (``shadow_stage.py``: field offsets independent of the counts, kernel arguments built
-once per slot, placement pairs from prefixes cached by their own length), so traffic
+once per slot, every slot's H2D landing in the ring's one device ``zone``, placement
+pairs from prefixes cached by their own length, whatever the slot), so traffic
 whose counts change every step builds no layout or plan; the same ops as a
 ``CopyPlan``, and the H2D copy also carries the unplaced tails of the fields before
 the last one. The writers, and a pass beyond the fixed capacities, take the per-shape

@@ -8,10 +8,18 @@ device fields are built once per slot, and nothing is built per shape:
 * the H2D copy is the slot's leading bytes up to the written part of the field that
   sits last (a depth's ``mha_cu_kv_seq_lengths[:p + 1]``, a commit pass's table rows):
   the bytes past another field's written part are shipped, never placed;
-* the placement's ``(destination, source)`` pairs are prefixes of fixed tensors, each
-  cached by its own length (per slot on the device-stage side; on the view side
-  shared by all slots), never by the combination of lengths: once a trace's lengths
-  were seen, it builds no layout, plan or slice at all, whatever its mix of counts;
+* every slot's H2D copy lands in ONE device landing zone (the ring's ``zone``), so the
+  placement's ``(destination, source)`` pairs are prefixes of fixed tensors shared by
+  all slots, each cached by its own length, never by the slot or the combination of
+  lengths: once a trace's lengths were seen, it builds no layout, plan or slice at
+  all, whatever its mix of counts and slots;
+* the zone is rewritten by the next forward's H2D copy while nothing orders that copy
+  after this one's placement but the stream: callers enter the persistent buffers'
+  ``StreamOrder`` first (``MirrorBackend.refuse_capture``), so on a change of stream
+  the new stream waits on an event recorded after the placement on the old one. The
+  pinned host slot stays fenced per slot (its fence is recorded after the placement);
+* a pass with block counts (``flush_counted``) lands in the slot's own device stage
+  instead (fenced with the slot), its sources per slot;
 * pairs are grouped as ``CopyPlan`` groups them (the same ops: one ``_foreach_copy_``
   per word dtype and device, a ``copy_`` per dtype conversion or lone pair, groups
   first, empty pairs dropped), from groups fixed per view.
@@ -105,8 +113,8 @@ def _mode(dst: Tensor, src: Tensor) -> Tuple[bool, Any]:
 
 class _FixedStage:
     """A fixed shadow layout (``entries`` in memory order, the H2D copy ending in
-    ``entries[-1]``) of one view on one forward ring, its per-slot kernel arguments and
-    device fields, and the prefixes its placements use. ``built`` counts what was built
+    ``entries[-1]``) of one view on one forward ring, its per-slot kernel arguments,
+    its fields in the ring's zone, and the prefixes its placements use. ``built`` counts what was built
     (the layout, argument sets, device field sets, H2D pairs, prefixes): it stops
     growing once every (tensor, length) of a trace was seen."""
 
@@ -126,13 +134,14 @@ class _FixedStage:
         slots = ring.num_slots
         self._args: List[Optional[Tuple[Any, Any]]] = [None] * slots
         self._h2d: List[Dict[int, Tuple[Tensor, Tensor]]] = [{} for _ in range(slots)]
+        # Per slot, the roles over the slot's own device stage (flush_counted only).
         self._roles: List[Optional[List[Tuple[_Prefixes, _Prefixes, int]]]] = [None] * slots
         fields = target.fields
-        staged0 = self.layout.tensors(ring.device_slots[0])
-        # Role -> (destination, source of slot 0, staged field or None).
-        self._pairs = [(getattr(fields, name), getattr(staged0, name), name)
+        self._zone = self.layout.tensors(ring.zone)  # the staged fields in the zone
+        # Role -> (destination, source in the zone, staged field or None).
+        self._pairs = [(getattr(fields, name), getattr(self._zone, name), name)
                        for name in _COMMON]
-        self._pairs += [(dst, getattr(staged0, src) if isinstance(src, str) else src,
+        self._pairs += [(dst, getattr(self._zone, src) if isinstance(src, str) else src,
                          src if isinstance(src, str) else None)
                         for dst, src in extra.values()]
         modes = [_mode(dst, src) for dst, src, _ in self._pairs]
@@ -145,6 +154,16 @@ class _FixedStage:
         self._fixed_srcs = [None if name is not None else
                             _Prefixes(src, words, self._counter)
                             for (_, src, name), words in zip(self._pairs, self._words)]
+        # The roles of a pass landed in the zone: shared by every slot.
+        self._zone_roles = self._staged_roles(self._zone)
+
+    def _staged_roles(self, staged: Any) -> List[Tuple[_Prefixes, _Prefixes, int]]:
+        """``(destination, source, group)`` per role, staged sources in ``staged``."""
+        return [(dst, fixed if fixed is not None else
+                 _Prefixes(getattr(staged, name), words, self._counter), group)
+                for dst, fixed, (_, _, name), words, group in zip(
+                    self._dsts, self._fixed_srcs, self._pairs, self._words,
+                    self._group_ids)]
 
     def _group(self, key: Any) -> int:
         """The index of the copy group ``key`` (``_mode``'s), -1 for a single."""
@@ -170,30 +189,28 @@ class _FixedStage:
     def _ship(self, slot: int, written: int, *,
               packed_bytes: Optional[int] = None) -> List[Tuple[_Prefixes, _Prefixes, int]]:
         """Issue the H2D copy of ``slot`` up to ``written`` elements (rows) of the last
-        field (or, with ``packed_bytes``, that many bytes of it: sliced per call, never
-        cached); return the slot's roles ``(destination, source, group)``."""
+        field into the zone, and return the zone's roles ``(destination, source,
+        group)``; or, with ``packed_bytes``, that many bytes of the last field into the
+        slot's own device stage (sliced per call, never cached), and the slot's roles.
+        The caller entered the backend's ``StreamOrder`` first (module docstring)."""
         if packed_bytes is not None:
             end = self._end_base + packed_bytes
-            h2d = (self.ring.device_slots[slot][:end], self.ring.slots[slot][:end])
-        else:
-            end = self._end_base + written * self._end_item
-            h2d = self._h2d[slot].get(end)
-            if h2d is None:
-                h2d = (self.ring.device_slots[slot][:end], self.ring.slots[slot][:end])
-                self._h2d[slot][end] = h2d
+            self.ring.device_slots[slot][:end].copy_(self.ring.slots[slot][:end],
+                                                    non_blocking=True)
+            roles = self._roles[slot]
+            if roles is None:
+                roles = self._staged_roles(self.layout.tensors(self.ring.device_slots[slot]))
+                self._roles[slot] = roles
                 self._counter[0] += 1
-        h2d[0].copy_(h2d[1], non_blocking=True)
-        roles = self._roles[slot]
-        if roles is None:
-            staged = self.layout.tensors(self.ring.device_slots[slot])
-            roles = [(dst, fixed if fixed is not None else
-                      _Prefixes(getattr(staged, name), words, self._counter), group)
-                     for dst, fixed, (_, _, name), words, group in zip(
-                         self._dsts, self._fixed_srcs, self._pairs, self._words,
-                         self._group_ids)]
-            self._roles[slot] = roles
+            return roles
+        end = self._end_base + written * self._end_item
+        h2d = self._h2d[slot].get(end)
+        if h2d is None:
+            h2d = (self.ring.zone[:end], self.ring.slots[slot][:end])
+            self._h2d[slot][end] = h2d
             self._counter[0] += 1
-        return roles
+        h2d[0].copy_(h2d[1], non_blocking=True)
+        return self._zone_roles
 
     def _place(self, roles: List[Tuple[_Prefixes, _Prefixes, int]], counts: Tuple[int, ...],
                extra: List[Tuple[Tensor, Tensor, int]]) -> None:
@@ -304,8 +321,8 @@ class DepthStage(_FixedStage):
 
     def flush(self, slot: int, padded: int, count: int) -> None:
         """Copy ``slot``'s shadow of a depth of ``count`` rows padded to ``padded`` to
-        its device stage (one H2D copy) and place it. The caller records the slot's
-        fence after."""
+        the zone (one H2D copy) and place it. The caller entered the backend's
+        ``StreamOrder`` first and records the slot's fence after."""
         roles = self._ship(slot, padded + 1)
         extra = [] if padded == count else [
             (self._pad_view.rows(count, padded), self._pad_block(padded - count),
@@ -333,7 +350,7 @@ class CommitStage(_FixedStage):
         words, group = _mode(table,
                              self.layout.tensors(ring.device_slots[0]).mha_block_table)
         self._rows_view = _Prefixes(table, words, self._counter)
-        self._rows_src: List[Optional[_Prefixes]] = [None] * ring.num_slots
+        self._rows_src = _Prefixes(self._zone.mha_block_table, words, self._counter)
         self._table_field = table  # the view's mha_block_table [R, W]
         self._counted_groups: List[int] = []  # distinct groups of flush_counted rows
         self._packed_src: List[Optional[Tensor]] = [None] * ring.num_slots
@@ -371,17 +388,14 @@ class CommitStage(_FixedStage):
     def flush(self, slot: int, tokens: int, real_tokens: int, requests: int,
               staged_count: int, device_rows: int) -> None:
         """Ship and place a commit pass: table rows ``[:device_rows]`` from the
-        stage's ``device_table``, ``[device_rows:requests]`` from the shadow."""
+        stage's ``device_table``, ``[device_rows:requests]`` from the shadow. The
+        caller entered the backend's ``StreamOrder`` first and records the slot's
+        fence after."""
         shadow_rows = requests - device_rows
         roles = self._ship(slot, shadow_rows)
         extra = []
         if shadow_rows:
-            source = self._rows_src[slot]
-            if source is None:
-                staged = self.layout.tensors(self.ring.device_slots[slot])
-                source = _Prefixes(staged.mha_block_table, self._rows_words,
-                                   self._counter)
-                self._rows_src[slot] = source
+            source = self._rows_src
             src = source.cache.get(shadow_rows)
             if src is None:
                 src = source.build(shadow_rows)

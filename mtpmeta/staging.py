@@ -35,7 +35,9 @@ class StagingRing:
     ``device_twin`` each slot also owns ``device_slots[slot]``, a device buffer of the
     same size that the slot's H2D copy lands in and the device ops then read: one per
     slot, so a forward on another stream can never overwrite it mid-scatter, and it is
-    covered by the same fence.
+    covered by the same fence. ``zone`` is one more such device buffer, shared by every
+    slot (the fixed stages of ``shadow_stage.py`` land there): its users order its
+    reuse across streams themselves (``StreamOrder``), never by a fence.
     """
 
     def __init__(self, slot_bytes: int, num_slots: int, device: torch.device,
@@ -53,6 +55,10 @@ class StagingRing:
         self.device_slots: Optional[torch.Tensor] = (
             torch.zeros((num_slots, max(slot_bytes, _ALIGN)), dtype=torch.uint8,
                         device=device) if device_twin else None)
+        # [slot_bytes] uint8 on the device, or None.
+        self.zone: Optional[torch.Tensor] = (
+            torch.zeros(max(slot_bytes, _ALIGN), dtype=torch.uint8, device=device)
+            if device_twin else None)
         self._next = 0
         # Per slot: ``(offset, owner)`` saying the slot's bytes from ``offset`` on are
         # what ``owner`` last wrote there (None: unknown); see ``acquire``.

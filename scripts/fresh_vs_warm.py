@@ -1,5 +1,7 @@
 """Per-step host CPU µs of the mirror path over a trace of random shapes, fresh vs warm
-(issue 24 item 2). Usage: ``python scripts/fresh_vs_warm.py [repeats] [warm-up steps]``.
+(issue 24 item 2). Usage: ``python scripts/fresh_vs_warm.py [repeats] [warm-up steps]``,
+or ``python scripts/fresh_vs_warm.py --instructions`` for instructions per step under
+callgrind (one run each; repeatable, unlike the times on a shared machine; ~3 min).
 
 Every step draws its active count n (154-208 at the standard geometry, 615-810 at the
 production one), hence its padded count and commit size, and a prefill chunk of 1-256
@@ -16,6 +18,7 @@ import statistics
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -89,5 +92,43 @@ def main(repeats: int = 5, warm_steps: int = 2) -> None:
                   f"fresh/warm {f / w:.2f}x", flush=True)
 
 
+def instructions(warm_steps: int = 2) -> None:
+    """Fresh and warm instructions per step, each trace one callgrind region (the
+    interpreter and the kernels warmed first on a throwaway object)."""
+    from mtpmeta.bench.instructions import callgrind_regions
+
+    body = (f"import sys\nsys.path.insert(0, {repr(str(_HERE))})\n"
+            f"from fresh_vs_warm import regions\nregions(region, {warm_steps})\n")
+    counts = callgrind_regions(body, timeout=1800)
+    for label, fresh in counts.items():
+        if label.endswith(" fresh"):
+            name, device, _ = label.split()
+            warm = counts[f"{name} {device} warm"]
+            steps = GEOMETRIES[name][2]
+            print(f"{name:<10} mirror {device:<4} fresh {fresh / steps:10,.0f}  warm "
+                  f"{warm / steps:10,.0f} instructions/step  fresh/warm {fresh / warm:.3f}x")
+
+
+def regions(region, warm_steps: int) -> None:
+    """Child side of ``instructions``: ``region(label, fn)`` is callgrind's marker."""
+    torch.set_num_threads(1)
+    for name, (config, (low, high), steps) in GEOMETRIES.items():
+        timed_trace = trace(config, low, high, steps, seed=1)
+        warm_up = trace(config, low, high, warm_steps, seed=99)
+        for device in ("cpu", "meta"):
+            meta, view = build(config, device)  # throwaway: JIT, interpreter caches
+            timed(meta, view, warm_up)
+            timed(meta, view, timed_trace)
+            meta, view = build(config, device)
+            timed(meta, view, warm_up)
+            region(f"{name} {device} fresh", lambda: timed(meta, view, timed_trace))
+            region(f"{name} {device} warm", lambda: timed(meta, view, timed_trace))
+
+
+_HERE = Path(__file__).resolve().parent
+
 if __name__ == "__main__":
-    main(*(int(arg) for arg in sys.argv[1:3]))
+    if sys.argv[1:2] == ["--instructions"]:
+        instructions(*(int(arg) for arg in sys.argv[2:3]))
+    else:
+        main(*(int(arg) for arg in sys.argv[1:3]))

@@ -1,7 +1,8 @@
 """The mirror path's draft depths and commit passes build nothing per shape (issue 24,
 item 2): over steps whose counts change every time, once every (tensor, length) of
-the trace was seen in every staging slot, no layout, CopyPlan, cache entry or slice
-is built any more, however many steps follow; and the views stay bit-exact with the
+the trace was seen, no layout, CopyPlan, cache entry or slice is built any more,
+however many steps follow; a placement's prefixes are warm after one slot saw their
+length (every slot lands in one device zone); and the views stay bit-exact with the
 reference on the way (views that start from a sentinel, so a pad row that is written
 shows)."""
 
@@ -15,7 +16,7 @@ from mtpmeta import MTPMetadata
 from mtpmeta.cache import BoundedCache
 from mtpmeta.layout import PackedLayout
 from mtpmeta.placement import CopyPlan
-from mtpmeta.shadow_stage import _FixedStage
+from mtpmeta.shadow_stage import _FixedStage, _Prefixes
 
 from .helpers import (assert_buffers_equal, assert_views_equal, config, make_reference,
                       make_view)
@@ -170,3 +171,45 @@ def test_counted_calls_stop_building_after_warm_up(monkeypatch):
         assert_buffers_equal(meta, ref)
     assert counts_seen[0] > 0
     assert counts_seen[1] == 0, counts_seen
+
+
+def test_a_length_seen_in_one_slot_is_warm_in_every_slot(monkeypatch):
+    """Every slot's H2D copy lands in one device zone, so a placement's prefixes are
+    cached by length alone: a depth shape and a commit shape staged once (one slot
+    each) build no prefix when they come back in each of the other 7 slots (per-slot
+    device sources rebuilt theirs in every slot)."""
+    meta = MTPMetadata(**config(max_requests=R, max_kv_block_count=W, block_size_tokens=BS))
+    meta.allocate("cpu", mirror=True, max_tokens=TOKENS, staging_slots=8)
+    view = make_view("context", R, TOKENS, W)
+    builds = [0]
+    build, rows = _Prefixes.build, _Prefixes.rows
+
+    def counted_build(self, count):
+        builds[0] += 1
+        return build(self, count)
+
+    def counted_rows(self, start, stop):
+        builds[0] += (start, stop) not in self.ranges
+        return rows(self, start, stop)
+
+    monkeypatch.setattr(_Prefixes, "build", counted_build)
+    monkeypatch.setattr(_Prefixes, "rows", counted_rows)
+    table = np.arange(R * W, dtype=np.int32).reshape(R, W)
+    starts = np.arange(4, dtype=np.int32)
+    counts = np.array([1, 2, 1, 3, 2], dtype=np.int32)
+
+    def loop(depths):
+        meta.begin_decode(4, 5, starts, table, False)
+        for _ in range(depths):
+            meta.setup_decode_step(view)
+            meta.advance_decode_step()
+        meta.end_forward()
+        meta.setup_commit_pass(view, counts, table, padded_token_count=10)
+        meta.end_forward()
+
+    loop(1)  # one depth, one commit pass: two slots
+    assert builds[0] > 0
+    builds[0] = 0
+    for _ in range(8):  # 8 forward slots, each staging 2 depths and a pass
+        loop(2)
+    assert builds[0] == 0
