@@ -7,6 +7,7 @@ converted to C-contiguous int32/int64 numpy arrays.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional, Tuple
 
 import numpy as np
@@ -46,8 +47,15 @@ class DirectBackend:
         self._full_counts = np.full(max_requests, width, dtype=np.int32)
         self._counts = np.zeros(max_requests, dtype=np.int32)
         self.host_block_counts = self._full_counts
+        # [>= padded requests] int32: the counted commit's per-row record (write-only
+        # there: it fills every column), kept so that a commit allocates nothing
+        self._known = np.zeros(max_requests + 1, dtype=np.int32)
         # (target, decode_step's arguments after ``padded``) of the last depth's view
         self._decode_tail: Tuple[Optional[ViewTarget], tuple] = (None, ())
+        # advance_decode_step(count): the kernel bound to the offsets, so that each
+        # depth's advance calls it with no Python frame in between
+        self.advance_decode_step = partial(native.draft_state.advance_offsets,
+                                           self.host_offsets)
         self._commit_tail: Tuple[Optional[ViewTarget], tuple] = (None, ())  # the same
 
     # ------------------------------------------------------------------ draft loop
@@ -78,9 +86,6 @@ class DirectBackend:
         self.host_block_counts = self._full_counts
         captured.stage_count(self._draft_count, count)  # a numpy write
 
-
-    def advance_decode_step(self, count: int) -> None:
-        native.draft_state.advance_offsets(self.host_offsets, count)
 
     def stage_decode_lengths(self, count: int) -> None:
         native.staging.stage_decode_lengths(self.host_offsets, count, self._query_lengths,
@@ -115,7 +120,9 @@ class DirectBackend:
         ``(-code, r, column, 0)`` for a bad written block (``native.staging.commit_pass``).
         With ``block_counts``: ``mtpmeta.block_counts.counted_commit``."""
         if block_counts is not None:
-            known = np.zeros(padded_requests + 1, dtype=np.int32)  # every column written
+            known = self._known  # known_rows 0: every column written, known only written
+            if known.shape[0] <= padded_requests:  # a view with more requests than R
+                known = self._known = np.zeros(padded_requests + 1, dtype=np.int32)
             return counted_commit(
                 counts, starts, table, inherited, block_counts, padded_tokens, pad_tokens,
                 self.max_requests, min_padded_requests, self.block_size, self.dummy,
