@@ -30,7 +30,7 @@ from .check_bounds import (CarryStatus, TokenStatus, _check_block_column,
                            _check_view_capacity, _check_view_width,
                            _raise_commit_status, _raise_inherited_range,
                            _raise_written_block, _scan_rows_fit, _shortest_token_field,
-                           check_padded, check_rows_fit, int32_rows_fit)
+                           check_padded, check_rows_fit)
 from .block_counts import (as_block_counts, check_commit_counts, raise_past_count,
                            refuse_device_table)
 from .errors import ChunkCarryError, InvalidDtypeError
@@ -53,6 +53,7 @@ _first_bad_draft_block = native.checks.first_bad_draft_block
 _INHERITED_OUT_OF_RANGE = native.checks.INHERITED_OUT_OF_RANGE
 _check_take = native.carry.check_take
 _INT64_MIN = -INT64_MAX - 1
+_INT32, _INT32_MIN, _INT32_MAX = np.dtype(np.int32), -INT32_LIMIT, INT32_LIMIT - 1
 
 # What a check returns (host arrays, or device tensors on the device-op route):
 # (count, padded, start_positions, block_table, on_device, block_counts)
@@ -238,7 +239,10 @@ def check_begin_decode(geo: Geometry, active_request_count: Any, padded_count: A
     kernel (``raise_position_error`` decodes its refusal). The counts are checked as
     in ``check_decode_counts``; ``block_counts`` (opt-in, host ints ``[>= n]`` in
     ``[0, W]``, ``mtpmeta.block_counts``) comes back as the sixth item (None without)."""
-    count, padded = check_decode_counts(geo, active_request_count, padded_count)
+    count, padded = active_request_count, padded_count
+    if not (type(count) is int and type(padded) is int and
+            0 <= count <= padded <= geo.max_requests):  # else check_decode_counts' hot path
+        count, padded = check_decode_counts(geo, active_request_count, padded_count)
     if geo.mirror and (is_device_tensor(start_positions, geo.runtime)
                        or is_device_tensor(block_table_src, geo.runtime)):
         if block_counts is not None:
@@ -259,7 +263,9 @@ def check_begin_decode(geo: Geometry, active_request_count: Any, padded_count: A
                          f"[>= {count}, max_kv_block_count {geo.max_kv_block_count}]")
     used = None if block_counts is None else as_block_counts(
         geo, block_counts, count, geo.max_kv_block_count)
-    if not on_device and not int32_rows_fit(table, geo.table_range):
+    low, high = geo.table_range  # int32_rows_fit inlined: it runs every begin
+    if not on_device and not (table.dtype is _INT32 and low <= _INT32_MIN and
+                              high >= _INT32_MAX):
         check_rows_fit(table, count, geo.table_range, "block_table_src",
                        "block_table_dtype", geo.block_table_dtype, used)
     return count, padded, starts, table, on_device, used
@@ -348,8 +354,10 @@ def check_commit_inputs(geo: Geometry, target: ViewTarget, append_counts: Any,
             and x.device.type != "meta" else x
             for x in (append_counts, block_table, start_positions, inherited_blocks))
     # The counts' values are scanned by native.checks.check_commit_inputs below.
-    counts = as_host_request_ints(geo.max_requests, append_counts, "append_counts")
+    counts = as_host_ints(append_counts, "append_counts")
     num_prefill = counts.shape[0]
+    if num_prefill > geo.max_requests:  # as_host_request_ints names the bound
+        as_host_request_ints(geo.max_requests, counts, "append_counts")
     table = as_host_ints(block_table, "block_table", ndim=2)
     table_rows, width = table.shape
     if table_rows < num_prefill:
@@ -378,7 +386,8 @@ def check_commit_inputs(geo: Geometry, target: ViewTarget, append_counts: Any,
     if block_counts is not None:
         used = as_block_counts(geo, block_counts, num_prefill, table.shape[1])
         check_commit_counts(geo, counts, starts, used)
-    if not int32_rows_fit(table, target.table_block_range):
+    low, high = target.table_block_range  # int32_rows_fit inlined: every commit
+    if not (table.dtype is _INT32 and low <= _INT32_MIN and high >= _INT32_MAX):
         check_rows_fit(table, num_prefill, target.table_block_range, "block_table",
                        "gpu_view.mha_block_table dtype", target.fields.mha_block_table.dtype,
                        used)

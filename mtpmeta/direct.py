@@ -7,7 +7,8 @@ converted to C-contiguous int32/int64 numpy arrays.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from functools import partial
+from typing import Any, Optional, Tuple
 
 import numpy as np
 from . import captured, native
@@ -15,6 +16,7 @@ from .buffers import PersistentBuffers
 from .gpu_view import ViewTarget
 from .block_counts import counted_commit
 from .inputs import kernel_optional
+from .kernel_entry import pinned_entry
 
 __all__ = ["DirectBackend"]
 
@@ -46,8 +48,16 @@ class DirectBackend:
         self._full_counts = np.full(max_requests, width, dtype=np.int32)
         self._counts = np.zeros(max_requests, dtype=np.int32)
         self.host_block_counts = self._full_counts
-        # (target, decode_step's arguments after ``padded``) of the last depth's view
-        self._decode_tail: Tuple[Optional[ViewTarget], tuple] = (None, ())
+        # [>= padded requests] int32: the counted commit's per-row record (write-only
+        # there: it fills every column), kept so that a commit allocates nothing
+        self._known = np.zeros(max_requests + 1, dtype=np.int32)
+        # (target, decode_step's arguments after ``padded``, its pinned entry point,
+        # mtpmeta.kernel_entry) of the last depth's view
+        self._decode_tail: Tuple[Optional[ViewTarget], tuple, Any] = (None, (), None)
+        # advance_decode_step(count): the kernel's entry point bound to the offsets, so
+        # each depth's advance calls compiled code with no Python frame or typing between
+        self.advance_decode_step = partial(pinned_entry(
+            native.draft_state.advance_offsets, (self.host_offsets, 0)), self.host_offsets)
         self._commit_tail: Tuple[Optional[ViewTarget], tuple] = (None, ())  # the same
 
     # ------------------------------------------------------------------ draft loop
@@ -79,9 +89,6 @@ class DirectBackend:
         captured.stage_count(self._draft_count, count)  # a numpy write
 
 
-    def advance_decode_step(self, count: int) -> None:
-        native.draft_state.advance_offsets(self.host_offsets, count)
-
     def stage_decode_lengths(self, count: int) -> None:
         native.staging.stage_decode_lengths(self.host_offsets, count, self._query_lengths,
                                             self._kv_lengths)
@@ -92,13 +99,17 @@ class DirectBackend:
         offset is negative or past the block table, ``-2 - i`` when row ``i`` writes a
         negative block or one past ``token_to_block_idx``."""
         tail = self._decode_tail
-        if tail[0] is not target:  # the kernel's arguments after padded, per view
-            tail = self._decode_tail = (target, (
-                self.block_size, self.dummy, target.token_block_range[1],
-                self._query_lengths, self._kv_lengths, *target.token_arrays,
-                *target.request_arrays))
-        return native.staging.decode_step(self.host_offsets, self._block_table,
-                                          self.host_block_counts, count, padded, *tail[1])
+        if tail[0] is not target:  # per view: the kernel's arguments after padded, and
+            # its entry point for their types (every argument's type is pinned: arrays
+            # of this backend and of this view, Python ints; both counts arrays int32)
+            args = (self.block_size, self.dummy, target.token_block_range[1],
+                    self._query_lengths, self._kv_lengths, *target.token_arrays,
+                    *target.request_arrays)
+            tail = self._decode_tail = (target, args, pinned_entry(
+                native.staging.decode_step,
+                (self.host_offsets, self._block_table, self._full_counts, 0, 0, *args)))
+        return tail[2](self.host_offsets, self._block_table, self.host_block_counts,
+                       count, padded, *tail[1])
 
     # ---------------------------------------------------------------- commit pass
     def stage_prefill_lengths(self, counts: np.ndarray, pad_tokens: int) -> int:
@@ -115,7 +126,9 @@ class DirectBackend:
         ``(-code, r, column, 0)`` for a bad written block (``native.staging.commit_pass``).
         With ``block_counts``: ``mtpmeta.block_counts.counted_commit``."""
         if block_counts is not None:
-            known = np.zeros(padded_requests + 1, dtype=np.int32)  # every column written
+            known = self._known  # known_rows 0: every column written, known only written
+            if known.shape[0] <= padded_requests:  # a view with more requests than R
+                known = self._known = np.zeros(padded_requests + 1, dtype=np.int32)
             return counted_commit(
                 counts, starts, table, inherited, block_counts, padded_tokens, pad_tokens,
                 self.max_requests, min_padded_requests, self.block_size, self.dummy,
