@@ -50,3 +50,53 @@ def write_counted_rows(block_table, block_counts, num_prefill, staged, padded, d
         first = (np.int64(absorb_end) + block_size - 1) // block_size
         for col in range(first, width):
             mha_block_table[num_prefill - 1, col] = dummy
+
+
+@njit(cache=True)
+def stage_ragged_rows(block_table, block_counts, num_prefill, dummy, absorb_end,
+                      block_size, width, index, values):
+    """The used entries of a commit pass's table rows, ragged (the mirror path's
+    counted commit): ``k`` entries, row-major, request ``r < num_prefill`` giving
+    ``block_table[r, :block_counts[r]]`` (never a column past it; with ``absorb_end
+    >= 0`` request ``num_prefill - 1`` stops before its first column wholly at or past
+    position ``absorb_end``, as ``write_counted_rows``). Entry ``j`` goes to
+    ``values[k + j]`` (``values`` viewing the same bytes as ``index``, so the entries
+    sit right after the ``k`` int64 words of ``index``: ``values`` starts at index word
+    ``k``, i.e. at element ``k * 8 // itemsize``) and its flat destination
+    ``r * width + column`` to ``index[j]``. Every other entry of rows
+    ``[:staged]`` is ``dummy``, written by the device. Returns ``k``, or -1 (nothing
+    written) when ``k`` int64 words and ``k`` values do not fit ``index``'s bytes.
+    index: int64 [cap]; values: the view's table dtype, the same memory.
+
+    >>> region = np.zeros(8, np.int64)
+    >>> values = region.view(np.int32)
+    >>> stage_ragged_rows(np.array([[3, 4, 5], [6, 7, 8]]), np.array([1, 2]), 2, 99,
+    ...                   -1, 4, 3, region, values)
+    3
+    >>> region[:3].tolist(), values[6:9].tolist()
+    ([0, 3, 4], [3, 6, 7])
+    """
+    item = values.itemsize
+    cut = np.int64(-1)  # the absorbing request's used columns end here
+    if absorb_end >= 0 and num_prefill > 0:
+        cut = (np.int64(absorb_end) + block_size - 1) // block_size
+    total = np.int64(0)
+    for r in range(num_prefill):
+        used = np.int64(block_counts[r])
+        if r == num_prefill - 1 and 0 <= cut < used:
+            used = cut
+        total += used
+    if total * (8 + item) > index.shape[0] * 8:
+        return -1
+    base = total * 8 // item
+    k = np.int64(0)
+    for r in range(num_prefill):
+        used = np.int64(block_counts[r])
+        if r == num_prefill - 1 and 0 <= cut < used:
+            used = cut
+        row = np.int64(r) * width
+        for col in range(used):
+            index[k] = row + col
+            values[base + k] = block_table[r, col]
+            k += 1
+    return total
