@@ -21,7 +21,7 @@ from .inputs import as_host_ints, is_device_tensor, kernel_optional
 
 __all__ = ["as_block_counts", "refuse_device_table", "column_bucket",
            "raise_past_count", "check_commit_counts", "raise_commit_past_count",
-           "counted_commit", "commit_without_rows", "MIN_BUCKET"]
+           "counted_commit", "MIN_BUCKET"]
 
 _first_outside_closed = native.checks.first_outside_closed
 _first_past_count = native.checks.first_past_count
@@ -102,46 +102,31 @@ def raise_commit_past_count(geo: Any, counts: np.ndarray, starts: Optional[np.nd
 _NO_TABLE_ROW = 2**31 - 1  # commit_pass's first table row: past every request
 
 
-def commit_without_rows(counts: np.ndarray, starts: Optional[np.ndarray],
-                        table: np.ndarray, inherited: Optional[np.ndarray],
-                        padded_tokens: int, pad_tokens: int, max_requests: int,
-                        min_padded_requests: int, block_size: int, dummy: int, width: int,
-                        high: int, lengths: np.ndarray, token_args: tuple,
-                        request_args: tuple) -> Tuple[Tuple[int, int, int, int], int]:
-    """``native.staging.commit_pass`` for all but the table rows (its refusals
-    included: then nothing is written); returns its result and the position from
-    which a full batch's last request absorbs the pad (-1: none), for the rows'
-    writer. ``request_args``: as the kernel's (the table field is not written)."""
-    result = native.staging.commit_pass(
-        counts, *kernel_optional(starts), table, *kernel_optional(inherited),
-        padded_tokens, pad_tokens, max_requests, min_padded_requests, block_size, dummy,
-        _NO_TABLE_ROW, width, high, lengths, *token_args, *request_args[:4],
-        request_args[4][:0])
-    num_prefill = counts.shape[0]
-    absorb = -1  # a full batch's last request absorbs the pad: its span's end
-    if result[0] >= 0 and pad_tokens > 0 and result[1] == num_prefill and num_prefill:
-        start = 0 if starts is None else int(starts[num_prefill - 1])
-        absorb = start + int(counts[num_prefill - 1])
-    return result, absorb
-
-
 def counted_commit(counts: np.ndarray, starts: Optional[np.ndarray], table: np.ndarray,
                    inherited: Optional[np.ndarray], block_counts: np.ndarray,
                    padded_tokens: int, pad_tokens: int, max_requests: int,
                    min_padded_requests: int, block_size: int, dummy: int, width: int,
                    high: int, lengths: np.ndarray, token_args: tuple, request_args: tuple,
                    known: np.ndarray, known_rows: int) -> Tuple[int, int, int, int]:
-    """A commit pass with counts writing whole rows: ``commit_without_rows``, then
+    """A commit pass with counts, both paths: ``native.staging.commit_pass`` for all but
+    the table rows (its refusals included: then nothing is written), then
     ``native.counts.write_counted_rows`` into ``request_args[4]`` (the view's
-    ``mha_block_table`` or a shadow's; ``known``, ``known_rows`` as there, and
+    ``mha_block_table`` or a packed shadow; ``known``, ``known_rows`` as there, and
     ``known`` at least as long as the pass's padded requests). Returns as the kernel."""
-    result, absorb = commit_without_rows(
-        counts, starts, table, inherited, padded_tokens, pad_tokens, max_requests,
-        min_padded_requests, block_size, dummy, width, high, lengths, token_args,
-        request_args)
+    table_rows = request_args[4]
+    result = native.staging.commit_pass(
+        counts, *kernel_optional(starts), table, *kernel_optional(inherited),
+        padded_tokens, pad_tokens, max_requests, min_padded_requests, block_size, dummy,
+        _NO_TABLE_ROW, width, high, lengths, *token_args, *request_args[:4],
+        table_rows[:0])
     if result[0] < 0:
         return result
-    native.counts.write_counted_rows(table, block_counts, counts.shape[0], result[1],
+    num_prefill = counts.shape[0]
+    absorb = -1  # a full batch's last request absorbs the pad: its span's end
+    if pad_tokens > 0 and result[1] == num_prefill and num_prefill:
+        start = 0 if starts is None else int(starts[num_prefill - 1])
+        absorb = start + int(counts[num_prefill - 1])
+    native.counts.write_counted_rows(table, block_counts, num_prefill, result[1],
                                      result[2], dummy, absorb, block_size, known,
-                                     known_rows, request_args[4])
+                                     known_rows, table_rows)
     return result

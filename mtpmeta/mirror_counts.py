@@ -17,16 +17,13 @@ built per call, a few µs), so no per-shape state grows.
   stage_counted_inputs``: per slot its last ``C`` and each row's last count; a plain
   begin, which writes the slot at width ``W``, forgets them). ``_reuse_table`` then
   holds no rows a commit may take (``_device_table_rows = 0``).
-* commit: no row is reused from the device; the commit stage's table region holds
-  the used entries ragged (``native.counts.stage_ragged_rows``: ``k`` int64 flat
-  destinations, then the ``k`` entries; ``k`` the sum of the counts), shipped with
-  the rest of the shadow; the one ``_foreach_copy_`` also writes whole rows ``[:m]``
-  (``m`` the staged requests) from a device block of ``D`` and the pad rows from the
-  block of -1, and one ``index_copy_`` then lays the entries in: 3 data ops, one more
-  than without counts, and ``12 k`` bytes (int32 entries), whatever ``C``. A pass that
-  does not fit the fixed commit stage (or whose entries do not fit its table region,
-  or whose view table is not contiguous) ships whole rows (``D`` past the counts)
-  through the per-shape shadow.
+* commit: no row is reused from the device; the commit stage's table region holds the
+  packed ``[m, C]`` rows (``m`` the staged requests), shipped with the rest of the
+  shadow; the one ``_foreach_copy_`` also writes whole rows ``[:m]`` from a device
+  block of ``D`` and the pad rows from the block of -1, and one strided device copy then
+  lays the packed rows over ``[:m, :C]``: 3 data ops, one more than without counts.
+  A pass that does not fit the fixed commit stage ships whole rows (``D`` past the
+  counts) through the per-shape shadow.
 """
 
 from __future__ import annotations
@@ -37,13 +34,12 @@ import numpy as np
 import torch
 
 from . import captured, native
-from .block_counts import column_bucket, commit_without_rows, counted_commit
+from .block_counts import column_bucket, counted_commit
 from .gpu_view import ViewTarget
 
 __all__ = ["CountedStaging"]
 
 _min_max = native.checks.min_max
-_stage_ragged_rows = native.counts.stage_ragged_rows
 
 
 class CountedStaging:
@@ -115,12 +111,10 @@ class CountedStaging:
                         starts: Optional[np.ndarray], table: np.ndarray,
                         inherited: Optional[np.ndarray], block_counts: np.ndarray,
                         padded_tokens: int, pad_tokens: int, min_padded_requests: int,
-                        padded_requests: int, ragged: bool = True
-                        ) -> Tuple[int, int, int, int]:
+                        padded_requests: int) -> Tuple[int, int, int, int]:
         """The commit pass with counts; module docstring. Returns as ``commit_pass``."""
         stage = self._commit_stage(target)
-        if not ragged or stage is None or stage.flat_table is None or \
-                padded_tokens > stage.cap or padded_requests > stage.requests:
+        if stage is None or padded_tokens > stage.cap or padded_requests > stage.requests:
             slot, layout, token_args, request_args = self._shadow(
                 target, padded_tokens, padded_requests, padded_requests)
             result = self._commit_kernel(counts, starts, table, inherited, block_counts,
@@ -133,29 +127,31 @@ class CountedStaging:
             self._flush(target, slot, layout, padded_tokens, result[0], result[2],
                         "query", result[1], 0, reused=True)
             return result
+        num_prefill = counts.shape[0]
+        width = target.width
+        columns = column_bucket(int(_min_max(block_counts, num_prefill)[1]), width)
         ring = self._forward_ring
         slot = ring.acquire()
         token_args, request_args = stage.args(slot)
-        result, absorb = commit_without_rows(
-            counts, starts, table, inherited, padded_tokens, pad_tokens, self.max_requests,
-            min_padded_requests, self.block_size, self.dummy,
-            self.buffers.block_table.shape[1], target.token_block_range[1],
-            self._scratch_q, token_args, request_args)
+        packed = request_args[4].reshape(-1)[:padded_requests * columns].reshape(
+            padded_requests, columns)
+        # The slot's packed rows are known when this stage, at this C, wrote them last.
+        mark = stage.packed_mark(columns)
+        known_rows = stage.known_rows[slot] if ring.last_mark == mark else 0
+        result = self._commit_kernel(counts, starts, table, inherited, block_counts,
+                                     padded_tokens, pad_tokens, min_padded_requests,
+                                     target, token_args, request_args[:4] + (packed,),
+                                     stage.known[slot], known_rows)
+        ring.marks[slot] = mark  # refused or not, the kernel wrote by the bookkeeping
+        stage.known_rows[slot] = max(known_rows, padded_requests) if result[0] >= 0 \
+            else known_rows
         if result[0] < 0:
             ring.release(slot)
             return result
-        index, values = stage.ragged(slot)
-        entries = _stage_ragged_rows(table, block_counts, counts.shape[0], self.dummy,
-                                     absorb, self.block_size, target.width, index, values)
-        if entries < 0:  # more used entries than the region holds: whole rows instead
-            ring.release(slot)
-            return self._commit_counted(target, counts, starts, table, inherited,
-                                        block_counts, padded_tokens, pad_tokens,
-                                        min_padded_requests, padded_requests, ragged=False)
         total, staged, padded_requests, _ = result
-        stage.flush_ragged(slot, padded_tokens, total, padded_requests, staged, entries,
-                           self._dummy_block(), self._minus_one)
-        ring.release(slot)
+        stage.flush_counted(slot, padded_tokens, total, padded_requests, staged, columns,
+                            self._dummy_block(), self._minus_one)
+        self._forward_ring.release(slot)
         return result
 
     def _commit_kernel(self, counts, starts, table, inherited, block_counts,

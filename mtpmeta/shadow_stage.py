@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from .gpu_view import ViewFields, ViewTarget, kernel_args, view_entries
-from .layout import PackedLayout, numpy_dtype
+from .layout import PackedLayout
 from .placement import word_view
 
 __all__ = ["DepthStage", "CommitStage"]
@@ -336,13 +336,12 @@ class CommitStage(_FixedStage):
         self._rows_src: List[Optional[_Prefixes]] = [None] * ring.num_slots
         self._table_field = table  # the view's mha_block_table [R, W]
         self._counted_groups: List[int] = []  # distinct groups of flush_counted rows
-        # A counted pass's ragged region per slot (mirror_counts): the table region
-        # as int64 destination indices and as table entries, host and device, and the
-        # view's table flat (None when not contiguous: such a pass takes the shadow).
-        self._ragged: List[Optional[Tuple[Any, Any, Tensor, Tensor]]] = \
-            [None] * ring.num_slots
-        self.flat_table: Optional[Tensor] = table.view(-1) if table.is_contiguous() \
-            else None
+        self._packed_src: List[Optional[Tensor]] = [None] * ring.num_slots
+        # A counted pass's packed rows per slot (mirror_counts): each row's count (the
+        # columns from it on hold D) and how many leading rows that holds for, valid
+        # while the ring's mark for the slot is packed_mark(C).
+        self.known = [np.zeros(requests + 1, dtype=np.int32) for _ in range(ring.num_slots)]
+        self.known_rows = [0] * ring.num_slots
         self._rows_words = words
         self._rows_group = self._group(group)
         self._seal()
@@ -392,51 +391,44 @@ class CommitStage(_FixedStage):
                             requests, requests, requests + 1, requests + 1, device_rows,
                             staged_count), extra)
 
-    def ragged(self, slot: int) -> Tuple[np.ndarray, np.ndarray]:
-        """``slot``'s table region on the host as ``(int64 words, table entries)``,
-        the same bytes (``native.counts.stage_ragged_rows``'s ``index`` and
-        ``values``), built once per slot."""
-        region = self._ragged[slot]
-        if region is None:
-            dtype, shape = self.layout.dtypes[-1], self.layout.shapes[-1]
-            nbytes = shape[0] * shape[1] * dtype.itemsize // 8 * 8
-            base = self._end_base
-            host = self.ring.host_np[slot][base:base + nbytes]
-            device = self.ring.device_slots[slot][base:base + nbytes]
-            region = (host.view(np.int64), host.view(numpy_dtype(dtype)),
-                      device.view(torch.int64), device.view(dtype))
-            self._ragged[slot] = region
-            self._counter[0] += 1
-        return region[0], region[1]
-
-    def flush_ragged(self, slot: int, tokens: int, real_tokens: int, requests: int,
-                     staged_count: int, entries: int, dummy_block: Tensor,
-                     minus_one: Tensor) -> None:
+    def flush_counted(self, slot: int, tokens: int, real_tokens: int, requests: int,
+                      staged_count: int, columns: int, dummy_block: Tensor,
+                      minus_one: Tensor) -> None:
         """Ship and place a commit pass with block counts (``mirror_counts``): the
-        shadow's table region holds ``entries`` int64 flat destinations then the
-        ``entries`` used table entries (``ragged``); whole rows ``[:staged_count]``
-        of ``D`` and ``[staged_count:requests]`` of -1 join the grouped copy, then one
-        ``index_copy_`` lays the entries into the view's table. Needs ``flat_table``.
-        The caller records the slot's fence after."""
-        region = self._ragged[slot]
-        item = region[3].element_size()
-        base = entries * 8 // item
-        roles = self._ship(slot, 0, packed_bytes=entries * (8 + item))
-        width = self.layout.shapes[-1][1]
+        shadow's table region holds the packed ``[staged_count, columns]`` rows; whole
+        rows ``[:staged_count]`` of ``D`` (skipped when ``columns`` is the width) and
+        ``[staged_count:requests]`` of -1 join the grouped copy, then one strided copy
+        lays the packed rows over ``[:staged_count, :columns]``. The caller records
+        the slot's fence after."""
+        last = len(self.layout.names) - 1
+        width = self.layout.shapes[last][1]
+        roles = self._ship(slot, 0, packed_bytes=staged_count * columns
+                           * self.layout.dtypes[last].itemsize)
         extra = []
-        if staged_count:
+        if columns < width and staged_count:
             extra.append(self._whole(dummy_block, 0, staged_count, width))
         if requests > staged_count:
             extra.append(self._whole(minus_one, staged_count, requests, width))
         self._place(roles, (tokens, tokens, real_tokens, real_tokens, real_tokens,
                             requests, requests, requests + 1, requests + 1, 0,
                             staged_count), extra)
-        if entries:
-            self.flat_table.index_copy_(0, region[2][:entries],
-                                        region[3][base:base + entries])
+        if staged_count:
+            flat = self._packed_src[slot]
+            if flat is None:  # the slot's staged table region, flat: built once
+                flat = self.layout.tensors(self.ring.device_slots[slot]) \
+                    .mha_block_table.view(-1)
+                self._packed_src[slot] = flat
+                self._counter[0] += 1
+            source = flat[:staged_count * columns].view(staged_count, columns)
+            self._table_field[:staged_count, :columns].copy_(source, non_blocking=True)
 
     def _extra_groups(self) -> List[int]:
         return [self._rows_group] + self._counted_groups
+
+    def packed_mark(self, columns: int) -> tuple:
+        """The ring mark of a slot whose table region (from ``_end_base`` on) holds
+        this stage's packed rows at ``columns`` columns."""
+        return (self._end_base, self, columns)
 
     def _whole(self, block: Tensor, start: int, stop: int,
                width: int) -> Tuple[Tensor, Tensor, int]:
