@@ -90,6 +90,7 @@ class MirrorBackend(ForwardStaging, CountedStaging):
         self.dummy = dummy
         self.device = buffers.offsets.device
         width = buffers.block_table.shape[1]
+        self._width = width  # W: host_block_table may be a counted begin's [n, C] rows
         table_dtype = buffers.block_table.dtype
         # Host truth of the draft state: [R] int32 and [R, W] of block_table_dtype. The
         # table is the pinned begin slot begin_decode staged it in (rows [:n] valid): a
@@ -179,7 +180,7 @@ class MirrorBackend(ForwardStaging, CountedStaging):
         negative or past the block table. With ``block_counts``: ``mirror_counts``."""
         self.refuse_capture("begin_decode")
         if not native.draft_state.offsets_in_table(start_positions, count, self.block_size,
-                                               self.host_block_table.shape[1]):
+                                                   self._width):
             return False  # checked before a slot is taken: nothing written
         self.host_offsets_known = True
         if block_counts is not None:
@@ -225,7 +226,6 @@ class MirrorBackend(ForwardStaging, CountedStaging):
         self.host_block_table = self._own_block_table  # never a slot a copy may read
         native.draft_state.fill_capture_state(self.host_offsets, self.host_block_table, count,
                                           self.dummy)
-        self._own_widths[:count] = 0  # those rows hold D in every column
         self.host_block_counts = self._full_counts
         self.host_offsets_known = True
         self._prefix("offsets", self.buffers.offsets, 0, count).zero_()
@@ -257,7 +257,7 @@ class MirrorBackend(ForwardStaging, CountedStaging):
             self.device_route.decode_step(target, count, padded)
             return 0
         if not native.draft_state.offsets_in_table(self.host_offsets, count, self.block_size,
-                                               self.host_block_table.shape[1]):
+                                                   self._width):
             return -1  # checked before a slot is taken: nothing written, nothing staged
         # The shadow holds O(padded) data and no table: mha_block_table comes from the
         # persistent device table that begin_decode filled, device-to-device. Its
@@ -276,7 +276,7 @@ class MirrorBackend(ForwardStaging, CountedStaging):
             *token_args, *request_args[:4])
         if max_kv < 0:  # a bad written block: the kernel wrote nothing, nothing ships
             self._forward_ring.release(slot)
-            return max_kv
+            return self._packed_refusal(count, max_kv)
         if stage is None:
             self._flush(target, slot, layout, padded, count, padded, "pair", count,
                         device_rows=count)
@@ -357,7 +357,7 @@ class MirrorBackend(ForwardStaging, CountedStaging):
         rows = min(num_prefill, self._device_table_rows)
         if pad_tokens > 0 and num_prefill == self.max_requests:
             rows = min(rows, num_prefill - 1)
-        if rows <= 0 or target.width != self.host_block_table.shape[1]:
+        if rows <= 0 or target.width != self._width:
             return 0
         return native.draft_state.matching_rows(table, self.host_block_table, rows)
 

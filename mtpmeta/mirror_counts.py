@@ -10,13 +10,13 @@ built per call, a few µs), so no per-shape state grows.
 * begin: the pinned begin slot's table region holds the packed ``[n, C]`` rows; one
   H2D copy lands them in the private ``_reuse_table``'s storage (as a flat scratch),
   one device copy places them in ``block_table[:n, :C]`` and one fill writes ``D`` over
-  ``[:n, C:]``: 4 data ops with the head's H2D, one more than without counts. The host
-  truth is the private ``_own_block_table`` ``[R, W]``: its rows hold the used entries
-  and ``D`` past them, kept so at O(used) cost by per-row widths
-  (``native.draft_state.stage_counted_inputs``); the packed rows of each slot too
-  (per slot: its last ``C`` and each row's last count; a plain begin, which writes the
-  slot at width ``W``, forgets them). ``_reuse_table`` then holds no rows a commit may
-  take (``_device_table_rows = 0``).
+  ``[:n, C:]``: 4 data ops with the head's H2D, one more than without counts. The
+  packed rows are the draft loop's host truth (``host_block_table``, ``[n, C]``: the
+  used entries, ``D`` up to ``C``; the columns past ``C`` hold ``D`` by definition),
+  kept so at O(used) cost by per-slot widths (``native.draft_state.
+  stage_counted_inputs``: per slot its last ``C`` and each row's last count; a plain
+  begin, which writes the slot at width ``W``, forgets them). ``_reuse_table`` then
+  holds no rows a commit may take (``_device_table_rows = 0``).
 * commit: no row is reused from the device; the commit stage's table region holds the
   packed ``[m, C]`` rows (``m`` the staged requests), shipped with the rest of the
   shadow; the one ``_foreach_copy_`` also writes whole rows ``[:m]`` from a device
@@ -50,9 +50,6 @@ class CountedStaging:
         self._full_counts = np.full(max_requests, width, dtype=np.int32)
         self._counts = np.zeros(max_requests, dtype=np.int32)
         self.host_block_counts = self._full_counts
-        # [R] int32: columns of _own_block_table row i that may not hold D (its
-        # columns at and past it do); _own_block_table starts all D.
-        self._own_widths = np.zeros(max_requests, dtype=np.int32)
         self._dummy_rows: Optional[torch.Tensor] = None  # [R * W] int32 of D, lazily
         # Per begin slot: the width C its packed rows were last written at, how many
         # leading rows are known, and each known row's count (D from it to C).
@@ -64,7 +61,7 @@ class CountedStaging:
     def _begin_counted(self, count: int, start_positions: np.ndarray,
                        table_src: np.ndarray, block_counts: np.ndarray) -> None:
         """The begin with counts (offsets already checked); module docstring."""
-        width = self._own_block_table.shape[1]
+        width = self._width
         columns = column_bucket(int(_min_max(block_counts, count)[1]), width)
         ring = self._begin_ring
         slot = ring.acquire()
@@ -73,13 +70,12 @@ class CountedStaging:
         known = self._packed_rows[slot] if self._packed_columns[slot] == columns else 0
         native.draft_state.stage_counted_inputs(
             start_positions, table_src, block_counts, count, self.block_size, self.dummy,
-            head_np[1:], self._own_block_table, self._own_widths, packed,
-            self._packed_widths[slot], known, self._counts)
+            width, head_np[1:], packed, self._packed_widths[slot], known, self._counts)
         self._packed_columns[slot] = columns
         self._packed_rows[slot] = max(known, count)
         captured.stage_count(head_np, count)
         self.host_offsets[:count] = head_np[1:count + 1]
-        self.host_block_table = self._own_block_table
+        self.host_block_table = packed  # the host truth: the staged slot's [n, C] rows
         self.host_block_counts = self._counts
         head_t, table_t = self._begin_tensors[slot]
         buffers = self.buffers
@@ -97,6 +93,19 @@ class CountedStaging:
                 rows.copy_(landing.view(count, columns))
         ring.release(slot)
         self._device_table_rows = 0  # _reuse_table holds packed rows, not [R, W] ones
+
+    def _packed_refusal(self, count: int, status: int) -> int:
+        """A depth's refusal ``status`` (``decode_step_maps``'s, offsets already in
+        ``[0, W)``) as it is on a ``W``-wide table when the host truth is a counted
+        begin's ``[n, C]`` rows: the kernel skips (-1) a row whose column lies in
+        ``[C, W)``, which is past its count, so the first such row comes first."""
+        columns = self.host_block_table.shape[1]
+        if columns == self._width:
+            return status
+        past = np.flatnonzero(self.host_offsets[:count] // self.block_size >= columns)
+        if past.size and (status == -1 or int(past[0]) < -2 - status):
+            return -2 - int(past[0])
+        return status
 
     def _commit_counted(self, target: ViewTarget, counts: np.ndarray,
                         starts: Optional[np.ndarray], table: np.ndarray,

@@ -143,30 +143,28 @@ def copy_counted_inputs(start_positions, table_src, block_counts, count, block_s
 
 @njit(cache=True)
 def stage_counted_inputs(start_positions, table_src, block_counts, count, block_size,
-                         dummy, offsets, truth, truth_widths, packed, packed_widths,
-                         packed_rows, counts_out):
+                         dummy, width, offsets, packed, packed_widths, packed_rows,
+                         counts_out):
     """The mirror path's begin with block counts, one pass over the used columns:
     ``offsets``/``counts_out`` as ``copy_counted_inputs``; ``packed`` [>= count, C]
-    (the pinned slot, ``C`` columns per row) takes row ``i``'s used entries and
-    ``dummy`` up to ``C``; the host truth ``truth`` [R, W] takes them too. Both write
-    ``dummy`` only where it may be missing: over ``[block_counts[i], widths[i])``
-    (``truth_widths``, and ``packed_widths`` for the rows ``< packed_rows`` whose packed
-    row is known, else up to ``C``), then set the width to the count. So a step costs
-    O(used + changed) columns, not O(C) per row. Returns False and writes nothing on a
-    bad start. block_counts: int [>= count], each in ``[0, C]``.
+    (the pinned slot, ``C`` columns per row, the host truth of the draft loop) takes
+    row ``i``'s used entries and ``dummy`` up to ``C``, written only where it may be
+    missing: over ``[block_counts[i], packed_widths[i])`` for the rows ``<
+    packed_rows`` whose packed row is known, else up to ``C``; the width then becomes
+    the count. So a step costs O(used + changed) columns, not O(C) per row. Returns
+    False and writes nothing on a bad start (``offsets_in_table`` with ``width``, the
+    table's ``W``). block_counts: int [>= count], each in ``[0, C]``.
 
-    >>> offsets, used, widths = np.zeros(2, np.int32), np.zeros(2, np.int32), \\
-    ...     np.array([3, 0], np.int32)
-    >>> truth, packed = np.array([[1, 1, 1], [99, 99, 99]]), np.zeros((2, 2), np.int64)
-    >>> known = np.zeros(2, np.int32)
+    >>> offsets, used, known = np.zeros(2, np.int32), np.zeros(2, np.int32), \\
+    ...     np.zeros(2, np.int32)
+    >>> packed = np.zeros((2, 2), np.int64)
     >>> stage_counted_inputs(np.array([1, 9]), np.array([[3, 4, 5], [6, 7, 8]]),
-    ...                      np.array([1, 2]), 2, 8, 99, offsets, truth, widths, packed,
-    ...                      known, 0, used)
+    ...                      np.array([1, 2]), 2, 8, 99, 3, offsets, packed, known, 0,
+    ...                      used)
     True
-    >>> truth.tolist(), packed.tolist(), widths.tolist(), known.tolist()
-    ([[3, 99, 99], [6, 7, 99]], [[3, 99], [6, 7]], [1, 2], [1, 2])
+    >>> packed.tolist(), known.tolist(), offsets.tolist()
+    ([[3, 99], [6, 7]], [1, 2], [1, 9])
     """
-    width = truth.shape[1]
     columns = packed.shape[1]
     if not offsets_in_table(start_positions, count, block_size, width):
         return False
@@ -175,14 +173,9 @@ def stage_counted_inputs(start_positions, table_src, block_counts, count, block_
         used = np.int64(block_counts[i])
         counts_out[i] = used
         for col in range(used):
-            value = table_src[i, col]
-            packed[i, col] = value
-            truth[i, col] = value
+            packed[i, col] = table_src[i, col]
         stale = np.int64(packed_widths[i]) if i < packed_rows else np.int64(columns)
         for col in range(used, stale):
             packed[i, col] = dummy
         packed_widths[i] = used
-        for col in range(used, np.int64(truth_widths[i])):
-            truth[i, col] = dummy
-        truth_widths[i] = used
     return True

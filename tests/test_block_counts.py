@@ -248,6 +248,28 @@ def test_a_depth_past_its_count_is_refused_with_nothing_changed(path):
 
 
 @pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("bad_block", [False, True])
+def test_a_depth_past_the_shipped_columns_is_refused_naming_its_row(path, bad_block):
+    """W 40, counts of at most 2 blocks (C = 8 shipped columns): row 0's depth writes
+    column 10, past its count and past C, so the mirror path's host truth (the packed
+    ``[n, C]`` rows) does not reach it; the depth is still refused naming row 0 and
+    block_counts, also when row 1 after it writes an unallocated block."""
+    width = 40
+    meta, view, _ = build(path, max_kv_block_count=width)
+    view = ContextGPUView(R, TOKENS, width, "cpu")
+    table = np.arange(R * width, dtype=np.int32).reshape(R, width)
+    table[1, 0] = -1 if bad_block else table[1, 0]
+    starts = np.zeros(R, np.int32)
+    starts[0] = 10 * BS
+    meta.begin_decode(3, 4, starts, table, False, block_counts=np.full(R, 2, np.int32))
+    before, view_before = buffer_state(meta), view_state(view)
+    with pytest.raises(ValueError, match=r"block_counts: draft row 0 .* column 10"):
+        meta.setup_decode_step(view)
+    assert_same_state(before, buffer_state(meta))
+    assert_same_state(view_before, view_state(view))
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("inherited", [False, True])
 def test_a_commit_token_past_its_count_is_refused_with_nothing_changed(path, inherited):
     """Request 1 writes positions 2..5 (columns 0 and 1) with one block: refused before
