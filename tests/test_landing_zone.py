@@ -55,22 +55,22 @@ def wrong_views(sim: CudaSim, seed: int, *, depths: bool, calls: int = 32) -> Li
         for index, (view, ref_view) in enumerate(pairs):
             forward = _forward(rng, depths)
             with sim.stream(lanes[index % 2]):
-                for method, args, kwargs in forward:
-                    if kwargs is None:
-                        getattr(meta, method)(*args)
-                    else:
-                        getattr(meta, method)(view, *args, **kwargs)
-                meta.end_forward()
-            for method, args, kwargs in forward:
-                if kwargs is None:
-                    getattr(ref, method)(*args)
-                else:
-                    getattr(ref, method)(ref_view, *args, **kwargs)
-            ref.end_forward()
+                _apply(meta, view, forward)
+            _apply(ref, ref_view, forward)
         sim.synchronize()
         got = [{name: sim.peek(getattr(view, name)) for name in FIELDS} for view, _ in pairs]
     return [index for index, ((_, ref_view), mine) in enumerate(zip(pairs, got))
             if any(not _equal(mine[name], getattr(ref_view, name)) for name in FIELDS)]
+
+
+def _apply(meta: Any, view: Any, forward: List[Any]) -> None:
+    """Run ``forward``'s calls on ``meta`` (a view call when it has kwargs), then end it."""
+    for method, args, kwargs in forward:
+        if kwargs is None:
+            getattr(meta, method)(*args)
+        else:
+            getattr(meta, method)(view, *args, **kwargs)
+    meta.end_forward()
 
 
 def _equal(mine: Any, theirs: Any) -> bool:
