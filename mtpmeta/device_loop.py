@@ -198,9 +198,10 @@ class DraftPlan:
             self._dummy_columns = dtype
         if n:
             (table_rows, padded_rows, planned, divided, quotients, columns, index, blocks,
-             positions, local) = self._rows_views(dtype, n)
-            table_rows.copy_(table_src[:n], non_blocking=True)
-            padded_rows.copy_(table_src[:n], non_blocking=True)
+             positions, local, gathered) = self._rows_views(dtype, n)
+            rows_src = table_src[:n]
+            table_rows.copy_(rows_src, non_blocking=True)
+            padded_rows.copy_(rows_src, non_blocking=True)
             # offsets[:n] (row [0, 0]), offsets + d, offsets + d + BS and the starts
             # again (row [2, 0]), in one add.
             torch.add(start_positions[:n], self._steps, out=planned)
@@ -215,7 +216,7 @@ class DraftPlan:
         if n:
             torch.floor_divide(divided, self._divisors, out=quotients)
             columns.clamp_(0, w + 1)  # block column + 1
-            torch.gather(self._tables[dtype][:n], 1, index, out=blocks)
+            torch.gather(gathered, 1, index, out=blocks)
             torch.remainder(positions, self.block_size, out=local)
         # Sums of the start positions, flat past n: 1-D and contiguous, so CUDA's scan
         # stages neither its input nor its output through a temporary.
@@ -235,7 +236,7 @@ class DraftPlan:
                 self.buffers.block_table[:n], table[:n, 1:self.width + 1],
                 self._planned_rows[:, :, :n], self._planned_rows[:2, :K, :n], quotients,
                 quotients[1], quotients[1].t(), self._blocks[dtype][:, :n].t(),
-                self._positions[:K, :n], self._local[:, :n])
+                self._positions[:K, :n], self._local[:, :n], table[:n])
         return views
 
     def _padded_views(self, p: int) -> Tuple[Tensor, ...]:

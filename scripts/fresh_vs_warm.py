@@ -1,7 +1,9 @@
 """Per-step host CPU µs of the mirror path over a trace of random shapes, fresh vs warm
 (issue 24 item 2). Usage: ``python scripts/fresh_vs_warm.py [repeats] [warm-up steps]``,
 or ``python scripts/fresh_vs_warm.py --instructions`` for instructions per step under
-callgrind (one run each; repeatable, unlike the times on a shared machine; ~3 min).
+callgrind (one run each; repeatable, unlike the times on a shared machine; ~3 min),
+or ``python scripts/fresh_vs_warm.py --trace`` for the same on issue 24's own traces
+(``mtpmeta bench --trace``'s, ~2 min).
 
 Every step draws its active count n (154-208 at the standard geometry, 615-810 at the
 production one), hence its padded count and commit size, and a prefill chunk of 1-256
@@ -10,6 +12,13 @@ the timed trace, every shape of it new to them. Warm: the same objects run the s
 trace again. The mirror path CPU-forced and on torch's meta device (the host's share
 on a GPU); process CPU time, so a shared machine's waits are left out. Compare figures
 only within one run.
+
+``--trace``: the seeded continuous-batching traces of ``mtpmeta.bench.trace`` (320
+steps at the standard geometry, 160 at the production one), replayed in engine order
+as ``mtpmeta bench --trace`` replays them, on meta with the C++ meta kernels, for the
+mirror and the captured path. Fresh: new objects after 2 warm-up steps of another
+seed's trace; warm: the same trace again. The untimed table update between steps
+(``Replay.prepare``, the same in both) is counted alone and taken out of both.
 """
 
 from __future__ import annotations
@@ -125,10 +134,62 @@ def regions(region, warm_steps: int) -> None:
             region(f"{name} {device} warm", lambda: timed(meta, view, timed_trace))
 
 
+def trace_instructions() -> None:
+    """Fresh and warm instructions per step on the bench's traces (module docstring)."""
+    from mtpmeta.bench.instructions import callgrind_regions
+
+    body = (f"import sys\nsys.path.insert(0, {repr(str(_HERE))})\n"
+            f"from fresh_vs_warm import trace_regions\ntrace_regions(region)\n")
+    counts = callgrind_regions(body, timeout=1800)
+    for label, fresh in counts.items():
+        if label.endswith(" fresh"):
+            base = label[:-len(" fresh")]
+            name, path, steps = base.split()
+            prepare, warm = counts[f"{base} prepare"], counts[f"{base} warm"]
+            fresh, warm = fresh - prepare, warm - prepare
+            print(f"{name:<10} {path:<8} meta fresh {fresh / int(steps):10,.0f}  warm "
+                  f"{warm / int(steps):10,.0f} instructions/step  fresh/warm "
+                  f"{fresh / warm:.3f}x  ({steps}-step trace, engine order)")
+
+
+def trace_regions(region) -> None:
+    """Child side of ``trace_instructions``."""
+    from mtpmeta.bench.meta_device import cpp_meta_kernels
+    from mtpmeta.bench.trace import PRODUCTION_TRACE, STANDARD_TRACE, make_trace
+    from mtpmeta.bench.trace_replay import CountingRuntime, Replay
+    from mtpmeta.runtime import use_runtime
+
+    def replay(r, steps, run=True):
+        r.reset()
+        for index, step in enumerate(steps):
+            r.prepare(index, step)
+            if run:
+                r.run(step)
+
+    torch.set_num_threads(1)
+    meta = torch.device("meta")
+    for name, config in (("standard", STANDARD_TRACE), ("production", PRODUCTION_TRACE)):
+        timed_trace = make_trace(config, config.steps, seed=0)
+        warm_up = make_trace(config, 2, seed=99)
+        with cpp_meta_kernels(), use_runtime(CountingRuntime()):
+            for path in ("mirror", "captured"):
+                throwaway = Replay(path, config, meta)  # JIT, interpreter caches
+                replay(throwaway, warm_up)
+                replay(throwaway, timed_trace)
+                r = Replay(path, config, meta)
+                replay(r, warm_up)
+                label = f"{name} {path} {len(timed_trace)}"
+                region(f"{label} fresh", lambda: replay(r, timed_trace))
+                region(f"{label} warm", lambda: replay(r, timed_trace))
+                region(f"{label} prepare", lambda: replay(r, timed_trace, run=False))
+
+
 _HERE = Path(__file__).resolve().parent
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--instructions"]:
+    if sys.argv[1:2] == ["--trace"]:
+        trace_instructions()
+    elif sys.argv[1:2] == ["--instructions"]:
         instructions(*(int(arg) for arg in sys.argv[2:3]))
     else:
         main(*(int(arg) for arg in sys.argv[1:3]))

@@ -183,9 +183,9 @@ def test_out_of_table_positions_go_to_the_dummy_block():
 @pytest.mark.parametrize("n,padded", [(192, 192), (190, 192)], ids=["full", "pad"])
 def test_device_input_loop_op_budget(view_kind, n, padded):
     """On the standard geometry with device inputs (after a warm-up loop on the view):
-    begin_decode 10 device data ops, each planned depth 1 (one
-    _foreach_copy_: every pair of one word dtype, none converted), each advance 1; no
-    read-back and no new storage anywhere. So the standard step (carry 1 and commit 2
+    begin_decode 10 device data ops and 2 views (the inputs' rows), each planned depth
+    1 (one _foreach_copy_: every pair of one word dtype, none converted), each advance
+    1; no read-back and no new storage anywhere. So the standard step (carry 1 and commit 2
     on the host route) is 1 + begin + 3 depths + 2 <= 16 without its advances."""
     from mtpmeta.bench.workload import StepConfig, make_steps
 
@@ -214,6 +214,8 @@ def test_device_input_loop_op_budget(view_kind, n, padded):
     every = counts["begin"] + counts["depth"] + counts["advance"]
     assert all(c.scalar_reads == 0 and c.new_storages == 0 for c in every)
     assert counts["begin"][2].data_ops == 10, counts["begin"][2].ops
+    # Its only views slice the caller's two inputs; its own are built once per n.
+    assert counts["begin"][2].view_ops == 2, counts["begin"][2].ops
     assert [c.data_ops for c in counts["depth"]] == [1] * config.depths, \
         [c.ops for c in counts["depth"]]
     assert all(c.ops["aten::_foreach_copy_"] == 1 for c in counts["depth"])
