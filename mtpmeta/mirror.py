@@ -39,9 +39,11 @@ Table reuse: a commit pass takes its leading table rows device-to-device, as a d
 depth takes its table: the longest prefix of ``[:min(P, n)]`` equal to the rows that
 draft loop staged (compared on the host against ``host_block_table``; the rest are
 copied, so each row is compared or copied, one pass per table), but from
-``_reuse_table``, a private device copy that no public name aliases: begin_decode's H2D
-copy lands there and one device-to-device copy fills ``block_table[:n]`` from it (3 data
-ops per begin; 15 per standard step, advances included), so no write into the persistent
+``_reuse_table``, a private device copy that no public name aliases: begin_decode's one
+H2D copy lands the head and the rows in a private landing whose table part it is, and
+one ``_foreach_copy_`` fills ``draft_head[:n + 1]`` and ``block_table[:n]`` from it (2
+data ops per begin; 14 per standard step, advances included; the rows ship rounded up
+to ``BEGIN_ROWS``, so its views are per slot and bucket), so no write into the persistent
 buffers (in place, ``.data``, DLPack, a graph replay, under ``torch.inference_mode``)
 can reach a row a commit places. A step whose commit pass follows its draft loop on one
 table ships that table once, not twice (``_rows_on_device``; ``reused_table_rows``
@@ -53,7 +55,7 @@ is ``ForwardStaging`` in ``mirror_staging.py``, a mixin of ``MirrorBackend``.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -68,11 +70,15 @@ from .layout import PackedLayout, numpy_dtype
 from .mirror_counts import CountedStaging
 from .mirror_device import DeviceRoute
 from .mirror_staging import _ALIGN, ForwardStaging
+from .placement import word_view
 from .runtime import DeviceRuntime, StreamOrder, get_runtime
 from .cache import BoundedCache
 from .staging import StagingRing
 
-__all__ = ["MirrorBackend"]
+__all__ = ["MirrorBackend", "BEGIN_ROWS"]
+
+#: A host-route begin ships its table rows rounded up to this many (module docstring).
+BEGIN_ROWS = 8
 
 
 class MirrorBackend(ForwardStaging, CountedStaging):
@@ -101,13 +107,6 @@ class MirrorBackend(ForwardStaging, CountedStaging):
                                         dtype=numpy_dtype(table_dtype))
         self.host_block_table = self._own_block_table
         self.host_offsets_known = True
-        # [R, W] of the table dtype on the device, aliased by no public name: rows
-        # [:_device_table_rows] equal host_block_table's (begin_decode's host route and
-        # begin_decode_for_capture write them, in stream order), and a commit pass
-        # places such rows device-to-device (_rows_on_device), never from block_table.
-        self._reuse_table = torch.full((max_requests, width), dummy, dtype=table_dtype,
-                                       device=self.device)
-        self._device_table_rows = 0
         self.reused_table_rows = 0  # commit-pass rows placed from _reuse_table so far
         # Host scratch the fused kernels write lengths into: [R + 1] int32 each.
         self._scratch_q = np.zeros(max_requests + 1, dtype=np.int32)
@@ -124,6 +123,18 @@ class MirrorBackend(ForwardStaging, CountedStaging):
                               for i in range(num_slots)]
         self._begin_tensors = [begin.tensors(self._begin_ring.slots[i])
                                for i in range(num_slots)]
+        # The begin's device landing, laid out as a begin slot and aliased by no public
+        # name: a head, then ``_reuse_table`` [R, W] of the table dtype, whose rows
+        # [:_device_table_rows] equal host_block_table's (begin_decode's host route and
+        # begin_decode_for_capture write them, in stream order); a commit pass places
+        # such rows device-to-device (_rows_on_device), never from block_table.
+        self._begin_landing = torch.empty(begin.nbytes, dtype=torch.uint8,
+                                          device=self.device)
+        self._landing_head, self._reuse_table = begin.tensors(self._begin_landing)
+        self._reuse_table.fill_(dummy)
+        self._device_table_rows = 0
+        self._begin_table_at = begin.offsets[1]  # bytes before a slot's table rows
+        self._begin_row_bytes = width * self._reuse_table.element_size()
         # stage_prefill_lengths staging: [R + 1] int32.
         self._lengths_ring = StagingRing(4 * (max_requests + 1), num_slots, self.device,
                                          runtime)
@@ -198,18 +209,45 @@ class MirrorBackend(ForwardStaging, CountedStaging):
         captured.stage_count(head_np, count)
         self.host_offsets[:count] = head_np[1:count + 1]
         self.host_block_table = table_np  # the host truth is the staged slot itself
-        head_t, table_t = self._begin_tensors[slot]
-        buffers = self.buffers
-        self._prefix("draft_head", buffers.draft_head, 0, count + 1).copy_(
-            self._prefix(("begin_head", slot), head_t, 0, count + 1), non_blocking=True)
-        if count:  # H2D into the private table, then block_table[:n] from it (D2D)
-            private = self._prefix("reuse_table", self._reuse_table, 0, count)
-            private.copy_(self._prefix(("begin_table", slot), table_t, 0, count),
-                          non_blocking=True)
-            self._prefix("block_table", buffers.block_table, 0, count).copy_(private)
+        self._ship_begin(slot, count)
         ring.release(slot)
         self._device_table_rows = count
         return True
+
+    def _ship_begin(self, slot: int, count: int) -> None:
+        """Two data ops: one H2D copy of the begin ``slot``'s head and its leading table
+        rows, ``count`` rounded up to ``BEGIN_ROWS`` (rows past ``count`` land in
+        ``_reuse_table`` past ``_device_table_rows``, never read), into the landing;
+        then one device copy of ``draft_head[:n + 1]`` and ``block_table[:n]`` from it
+        (both as int32 words; two copies when their words differ). So the views built
+        are per slot and bucket of rows, and per ``count``, never per (slot, count)."""
+        rows = min(-(-count // BEGIN_ROWS) * BEGIN_ROWS, self.max_requests)
+        land, source = self._slices.get_or_build(("begin_h2d", slot, rows),
+                                                 lambda: self._begin_h2d(slot, rows))
+        land.copy_(source, non_blocking=True)
+        dsts, srcs, grouped = self._slices.get_or_build(("begin_place", count),
+                                                        lambda: self._begin_pairs(count))
+        if grouped:
+            torch._foreach_copy_(dsts, srcs, non_blocking=True)
+        else:  # no rows, or words that differ (a table dtype of other than 4 or 8 bytes)
+            for dst, src in zip(dsts, srcs):
+                dst.copy_(src, non_blocking=True)
+
+    def _begin_h2d(self, slot: int, rows: int) -> Tuple[Tensor, Tensor]:
+        end = self._begin_table_at + rows * self._begin_row_bytes
+        return self._begin_landing[:end], self._begin_ring.slots[slot][:end]
+
+    def _begin_pairs(self, count: int) -> Tuple[List[Tensor], List[Tensor], bool]:
+        """``([draft_head[:n + 1], block_table[:n]], [their landing rows], grouped)``,
+        the table's pair as int32 words (``word_view``; none for ``count`` 0);
+        ``grouped``: two pairs of one dtype, one ``_foreach_copy_``."""
+        dsts = [self.buffers.draft_head[:count + 1]]
+        srcs = [self._landing_head[:count + 1]]
+        if count:
+            dsts.append(word_view(self.buffers.block_table[:count]))
+            srcs.append(word_view(self._reuse_table[:count]))
+        grouped = len(dsts) > 1 and len({t.dtype for t in dsts + srcs}) == 1
+        return dsts, srcs, grouped
 
     def begin_decode_device(self, count: int, start_positions: Tensor, table_src: Tensor,
                             padded: Optional[int] = None) -> None:

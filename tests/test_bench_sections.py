@@ -40,16 +40,17 @@ def _mirror(config: StepConfig):
 
 
 def test_h2d_counter_sees_begin_decode_ship_the_table_once():
-    """Hand-worked: begin_decode of n rows moves the int32 device count with n int32
-    offsets (one copy: they sit side by side) and an [n, W] int32 table host-to-device
-    (two copies), and a draft depth moves no table at all."""
+    """Hand-worked: begin_decode of n rows moves, in one host-to-device copy, the head
+    region (the int32 device count and R int32 offsets: 17 words, padded to 72 bytes)
+    and the [n, W] int32 table rows rounded up to BEGIN_ROWS (10 -> 16), and a draft
+    depth moves no table at all."""
     config = StepConfig(max_requests=16, block_columns=32, block_size=8, active=10,
                         prefill_tokens=8, inherited_blocks=1, moves=2, swaps=1, resets=2)
     meta, view, recorder = _mirror(config)
     inputs = make_steps(config, 1, seed=0)[0]
     with H2DCounter(recorder) as counter:
         meta.begin_decode(10, 16, inputs.start_positions, inputs.block_table, False)
-    assert (counter.copies, counter.nbytes) == (2, (1 + 10) * 4 + 10 * 32 * 4)
+    assert (counter.copies, counter.nbytes) == (1, 72 + 16 * 32 * 4)
     with H2DCounter(recorder) as counter:
         meta.setup_decode_step(view)
     assert counter.copies == 1
@@ -141,7 +142,7 @@ def test_production_section_counts_bytes_and_ops_of_every_row():
     """At a small size: the mirror path moves the draft table once (begin_decode) and,
     of the commit's table, only the row the draft loop's device table does not hold
     (the prefill row), so its bytes per step are under upstream's flow (both tables);
-    its data ops per step are the 15 of the op budget."""
+    its data ops per step are the 14 of the op budget."""
     from mtpmeta.bench.production import format_production, measure_production
 
     config = StepConfig(max_requests=24, block_columns=256, block_size=16, active=16,
@@ -155,6 +156,6 @@ def test_production_section_counts_bytes_and_ops_of_every_row():
     # Commit first: it follows the previous step's draft loop on another table.
     both = 16 * 256 * 4 + 17 * 256 * 4
     assert both < h2d["mirror, commit first"] < both + 16 * 1024
-    assert result["ops_per_step"]["mirror (CPU-forced)"] == {"data_ops": 15, "syncs": 0}
+    assert result["ops_per_step"]["mirror (CPU-forced)"] == {"data_ops": 14, "syncs": 0}
     assert result["ops_per_step"]["reference"]["syncs"] == 5
     assert "host-to-device bytes per step" in format_production(result)

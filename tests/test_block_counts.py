@@ -335,7 +335,9 @@ def test_column_bucket_is_a_small_fixed_set():
 def test_counted_calls_ship_only_the_bucket_columns():
     """Mirror path, W 64 and 512: a begin with counts copies (n + 1) head words and
     ``n * C`` table entries host-to-device, a commit pass the same bytes at both widths;
-    without counts a begin ships ``n * W`` entries. Counts of 3..5 blocks: C = 8."""
+    without counts a begin ships its head region (R + 1 = 9 words, padded to 40 bytes)
+    and its rows rounded up to BEGIN_ROWS (6 -> 8) of W entries. Counts of 3..5
+    blocks: C = 8."""
     commit_bytes = {}
     for width in (64, 512):
         meta, _, recorder = build("mirror", max_kv_block_count=width)
@@ -355,7 +357,7 @@ def test_counted_calls_ship_only_the_bucket_columns():
         meta.end_forward()
         with H2DCounter(recorder) as plain:
             meta.begin_decode(n, n, starts, table, False)
-        assert plain.nbytes == 4 * (n + 1) + 4 * n * width
+        assert (plain.copies, plain.nbytes) == (1, 40 + 4 * 8 * width)
         meta.end_forward()
         with H2DCounter(recorder) as commit:
             meta.setup_commit_pass(view, np.ones(n, np.int32), table,

@@ -224,12 +224,13 @@ def test_captured_setup_is_a_fixed_op_sequence_with_no_host_read(path):
 
 @SIM_SKIP
 @pytest.mark.cuda_sim
-def test_mirror_begin_stages_count_offsets_and_table_in_two_copies():
-    """begin_decode(capture_setup=True) on the mirror path: one pinned slot, 2 H2D
-    copies (count with offsets[:n], which sit side by side, and the table, into the
-    private copy commit passes reuse rows from) and one device-to-device copy of the
-    table into block_table[:n]; with n = 0 only the count's. It is eager staging, so
-    it is refused under capture like the default begin_decode."""
+def test_mirror_begin_stages_count_offsets_and_table_in_one_copy():
+    """begin_decode(capture_setup=True) on the mirror path: one pinned slot, one H2D
+    copy (the count with the offsets and the table rows, into the private landing whose
+    table part commit passes reuse rows from) and one device-to-device copy placing
+    draft_head[:n + 1] and block_table[:n] from it (one _foreach_copy_; with n = 0 one
+    copy_ of the count). It is eager staging, so it is refused under capture like the
+    default begin_decode."""
     sim = CudaSim(4, idle=1.0)
     steps = schedule(2)
     with sim:
@@ -238,8 +239,8 @@ def test_mirror_begin_stages_count_offsets_and_table_in_two_copies():
         for n, starts, table, _ in steps:
             issued, h2d = sim.issued, sim.h2d_copies
             meta.begin_decode(n, P, starts, table, True, capture_setup=True)
-            assert sim.h2d_copies - h2d == (2 if n else 1), n
-            assert sim.issued - issued == (3 if n else 1), n
+            assert sim.h2d_copies - h2d == 1, n
+            assert sim.issued - issued == 2, n
             sim.synchronize()
             assert sim.peek(meta._captured.count).tolist() == [n]
             assert torch.equal(sim.peek(meta.offsets)[:n], starts[:n])
@@ -419,7 +420,7 @@ def test_readme_captured_example_runs():
 
 def test_bench_captured_row_counts_only_begin_decode_on_the_host():
     """The bench's captured row: the host side of a captured loop is begin_decode alone
-    (3 data ops on the mirror path, none on the direct path), with no sync and no
+    (2 data ops on the mirror path, none on the direct path), with no sync and no
     allocation, against the default graphed loop's per-depth staging; the graph holds
     DEPTH_OPS + ADVANCE_OPS per depth."""
     from mtpmeta.bench.captured import format_captured, measure_captured
@@ -430,7 +431,7 @@ def test_bench_captured_row_counts_only_begin_decode_on_the_host():
                         swaps=1, resets=2, hidden_size=8)
     result = measure_captured(config, make_steps(config, 2), 1, torch.device("cpu"))
     assert set(result) == {"direct", "mirror"}
-    assert result["mirror"]["captured_host_data_ops"] == 3
+    assert result["mirror"]["captured_host_data_ops"] == 2
     assert result["direct"]["captured_host_data_ops"] == 0
     assert result["mirror"]["default_graphed_data_ops"] > 3
     for row in result.values():

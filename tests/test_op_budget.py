@@ -35,8 +35,9 @@ STANDARD = StepConfig()
 BUDGET = {"carry": 1, "begin_decode": 3, "depth": 3, "advance": 1, "commit": 4}
 STEP_BUDGET = 16  # the standard step, advances not counted
 #: What this design reaches: H2D + one _foreach_copy_ per depth and per commit pass;
-#: begin_decode's two H2D copies (head, table) and the table's device-to-device copy.
-NOW = {"carry": 1, "begin_decode": 3, "depth": 2, "advance": 1, "commit": 2}
+#: begin_decode's one H2D copy (head and table rows, into its private landing) and one
+#: _foreach_copy_ placing draft_head and block_table from it.
+NOW = {"carry": 1, "begin_decode": 2, "depth": 2, "advance": 1, "commit": 2}
 LAYOUTS = {"mtpmeta": ContextGPUView, "upstream": UpstreamLayoutView}
 
 
