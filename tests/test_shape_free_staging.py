@@ -213,3 +213,40 @@ def test_a_length_seen_in_one_slot_is_warm_in_every_slot(monkeypatch):
     for _ in range(8):  # 8 forward slots, each staging 2 depths and a pass
         loop(2)
     assert builds[0] == 0
+
+
+def test_begin_views_are_per_slot_and_bucket_of_rows():
+    """A host-route begin_decode's host-to-device views are built per (slot, n
+    rounded up to BEGIN_ROWS), not per (slot, n): 300 begins of random n in 1..24 on
+    every slot keep at most slots x 3 buckets of them (per (slot, n): up to 192); the
+    buffers equal the reference's after every begin, and so does a commit pass that
+    takes the rows from the device copy (the landed rows past n are never read)."""
+    from mtpmeta.mirror import BEGIN_ROWS
+
+    requests = 3 * BEGIN_ROWS
+    kwargs = dict(max_requests=requests, max_kv_block_count=W, block_size_tokens=BS)
+    meta = MTPMetadata(**config(**kwargs))
+    meta.allocate("cpu", mirror=True, max_tokens=TOKENS)
+    ref = make_reference(**kwargs)
+    view, ref_view = make_view("context", requests, TOKENS, W), \
+        make_view("reference", requests, TOKENS, W)
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        n = int(rng.integers(1, requests + 1))
+        table = rng.permutation(requests * W).reshape(requests, W).astype(np.int32)
+        starts = rng.integers(0, W * BS - 1, size=requests).astype(np.int32)
+        for o in (meta, ref):
+            o.begin_decode(n, n, starts, table, False)
+            o.end_forward()
+        assert_buffers_equal(meta, ref)
+    counts = np.ones(n, dtype=np.int32)
+    for o, target in ((meta, view), (ref, ref_view)):
+        o.setup_commit_pass(target, counts, table, start_positions=starts[:n],
+                            padded_token_count=n)
+        o.end_forward()
+    assert_views_equal(view, ref_view)
+    assert meta._backend.reused_table_rows == n
+    backend = meta._backend
+    keys = [key for key in backend._slices if key[0] == "begin_h2d"]
+    assert {key[2] for key in keys} <= {BEGIN_ROWS, 2 * BEGIN_ROWS, 3 * BEGIN_ROWS}
+    assert 0 < len(keys) <= backend._begin_ring.num_slots * 3, len(keys)
