@@ -18,7 +18,9 @@ steps at the standard geometry, 160 at the production one), replayed in engine o
 as ``mtpmeta bench --trace`` replays them, on meta with the C++ meta kernels, for the
 mirror and the captured path. Fresh: new objects after 2 warm-up steps of another
 seed's trace; warm: the same trace again. The untimed table update between steps
-(``Replay.prepare``, the same in both) is counted alone and taken out of both.
+(``Replay.prepare``, the same in both) is counted alone and taken out of both. The
+reference (upstream's op sequence, warm, its read-backs answered from the host) is
+counted the same way, for the host-share ratio in instructions beside the bench's µs.
 """
 
 from __future__ import annotations
@@ -140,23 +142,26 @@ def trace_instructions() -> None:
 
     body = (f"import sys\nsys.path.insert(0, {repr(str(_HERE))})\n"
             f"from fresh_vs_warm import trace_regions\ntrace_regions(region)\n")
-    counts = callgrind_regions(body, timeout=1800)
+    counts = callgrind_regions(body, timeout=2400)
     for label, fresh in counts.items():
         if label.endswith(" fresh"):
             base = label[:-len(" fresh")]
             name, path, steps = base.split()
             prepare, warm = counts[f"{base} prepare"], counts[f"{base} warm"]
             fresh, warm = fresh - prepare, warm - prepare
+            reference = counts[f"{name} reference {steps} warm"] - \
+                counts[f"{name} reference {steps} prepare"]
             print(f"{name:<10} {path:<8} meta fresh {fresh / int(steps):10,.0f}  warm "
                   f"{warm / int(steps):10,.0f} instructions/step  fresh/warm "
-                  f"{fresh / warm:.3f}x  ({steps}-step trace, engine order)")
+                  f"{fresh / warm:.3f}x  reference/warm {reference / warm:.2f}x  "
+                  f"({steps}-step trace, engine order)")
 
 
 def trace_regions(region) -> None:
     """Child side of ``trace_instructions``."""
     from mtpmeta.bench.meta_device import cpp_meta_kernels
     from mtpmeta.bench.trace import PRODUCTION_TRACE, STANDARD_TRACE, make_trace
-    from mtpmeta.bench.trace_replay import CountingRuntime, Replay
+    from mtpmeta.bench.trace_replay import CountingRuntime, Replay, known_syncs
     from mtpmeta.runtime import use_runtime
 
     def replay(r, steps, run=True):
@@ -172,6 +177,13 @@ def trace_regions(region) -> None:
         timed_trace = make_trace(config, config.steps, seed=0)
         warm_up = make_trace(config, 2, seed=99)
         with cpp_meta_kernels(), use_runtime(CountingRuntime()):
+            # Upstream's op sequence, warm, its read-backs answered from the host.
+            reference = Replay("reference", config, meta,
+                               known=known_syncs(config, timed_trace))
+            replay(reference, timed_trace)
+            label = f"{name} reference {len(timed_trace)}"
+            region(f"{label} warm", lambda: replay(reference, timed_trace))
+            region(f"{label} prepare", lambda: replay(reference, timed_trace, run=False))
             for path in ("mirror", "captured"):
                 throwaway = Replay(path, config, meta)  # JIT, interpreter caches
                 replay(throwaway, warm_up)
