@@ -57,6 +57,17 @@ class Builds:
                    if isinstance(stage, _FixedStage))
 
 
+def _mirror_and_reference(requests: int, width: int):
+    """A CPU-forced mirror-path object and the reference at ``requests`` x ``width``
+    (block size BS), with a sentinel-filled view each."""
+    kwargs = dict(max_requests=requests, max_kv_block_count=width, block_size_tokens=BS)
+    meta = MTPMetadata(**config(**kwargs))
+    meta.allocate("cpu", mirror=True, max_tokens=TOKENS)
+    ref = make_reference(**kwargs)
+    return (meta, ref, make_view("context", requests, TOKENS, width),
+            make_view("reference", requests, TOKENS, width))
+
+
 def _step(pairs, rng, table):
     """A draft loop of 2 depths and a commit pass, all sizes drawn from small sets (so
     a warm-up sees every one in every slot): n in 3..5 padded by 0 or 1; commit counts
@@ -127,12 +138,7 @@ def test_counted_calls_stop_building_after_warm_up(monkeypatch):
     40) build nothing after a warm-up of 500 random steps, over 200 more; the views
     and buffers equal the reference's on the table with D past the counts."""
     width, dummy = 40, config()["dummy_block_idx"]
-    kwargs = dict(max_requests=R, max_kv_block_count=width, block_size_tokens=BS)
-    meta = MTPMetadata(**config(**kwargs))
-    meta.allocate("cpu", mirror=True, max_tokens=TOKENS)
-    ref = make_reference(**kwargs)
-    view, ref_view = make_view("context", R, TOKENS, width), \
-        make_view("reference", R, TOKENS, width)
+    meta, ref, view, ref_view = _mirror_and_reference(R, width)
     target = meta._memo.target(view)
     builds = Builds(monkeypatch, (target.plans, meta._backend._slices))
     rng = np.random.default_rng(1)
@@ -224,12 +230,7 @@ def test_begin_views_are_per_slot_and_bucket_of_rows():
     from mtpmeta.mirror import BEGIN_ROWS
 
     requests = 3 * BEGIN_ROWS
-    kwargs = dict(max_requests=requests, max_kv_block_count=W, block_size_tokens=BS)
-    meta = MTPMetadata(**config(**kwargs))
-    meta.allocate("cpu", mirror=True, max_tokens=TOKENS)
-    ref = make_reference(**kwargs)
-    view, ref_view = make_view("context", requests, TOKENS, W), \
-        make_view("reference", requests, TOKENS, W)
+    meta, ref, view, ref_view = _mirror_and_reference(requests, W)
     rng = np.random.default_rng(1)
     for _ in range(300):
         n = int(rng.integers(1, requests + 1))
