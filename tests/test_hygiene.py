@@ -216,9 +216,9 @@ def test_mirror_step_data_ops_do_not_grow(graphed):
     """A regression guard on the mirror path's data-touching ops per standard step:
     carry 1 (the H2D copy; the pinned staging is a numpy copy), begin_decode 2 (one H2D
     of the head and table rows into the private landing commit passes reuse rows from,
-    then draft_head and block_table from it in one _foreach_copy_), each of 3 depths 2 (H2D of the O(padded) shadow, one
-    _foreach_copy_ placing it and the table rows device-to-device) plus the advance,
-    and the commit pass 2; no sync."""
+    then draft_head and block_table from it in one _foreach_copy_), each of 3 depths 2
+    (H2D of the O(padded) shadow, one _foreach_copy_ placing it and the table rows
+    device-to-device) plus the advance, and the commit pass 2; no sync."""
     counter = _standard_step_counts(replace(STANDARD, graphed=graphed))
     assert counter.scalar_reads == 0, counter.ops
     assert counter.data_ops <= MIRROR_DATA_OPS_NOW, counter.ops
