@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from .checks import Geometry
 
 __all__ = ["TokenStatus", "CarryStatus", "check_padded", "check_rows_fit",
-           "int32_rows_fit", "refuse_whole_annotations"]
+           "refuse_whole_annotations"]
 
 _first_outside_closed = native.checks.first_outside_closed
 
@@ -86,6 +86,8 @@ def _raise_token_status(geo: Geometry, code: int, t: int, rows: np.ndarray,
 
 
 # ------------------------------------------------------------------- block ids
+# check_rows_fit's free case (an int32 table, bounds that hold every int32) is also
+# tested inline, with these, by the begin and commit checks (checks.py), every call.
 _INT32_DTYPE = np.dtype(np.int32)
 _INT32_MIN, _INT32_MAX, _INT64_MIN = -2**31, 2**31 - 1, -2**63
 
@@ -111,13 +113,6 @@ def check_rows_fit(table: np.ndarray, rows: int, bounds: Tuple[int, int], name: 
     row, column = native.checks.first_counted_outside(table, rows, counts, low, high)
     if row >= 0:
         _raise_unfit(table, row, column, bounds, name, what, dtype)
-
-
-def int32_rows_fit(table: np.ndarray, bounds: Tuple[int, int]) -> bool:
-    """True when ``table`` is int32 and ``bounds`` hold every int32: ``check_rows_fit``'s
-    free case, tested inline by the hot callers (they call it for the rest)."""
-    return table.dtype is _INT32_DTYPE and bounds[0] <= _INT32_MIN and \
-        bounds[1] >= _INT32_MAX
 
 
 def _scan_rows_fit(table: np.ndarray, rows: int, bounds: Tuple[int, int], name: str,

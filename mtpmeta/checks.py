@@ -28,6 +28,7 @@ from torch import Tensor
 from . import native
 from .check_bounds import (CarryStatus, TokenStatus, _check_block_column,
                            _check_view_capacity, _check_view_width,
+                           _INT32_DTYPE as _INT32, _INT32_MAX, _INT32_MIN,
                            _raise_commit_status, _raise_inherited_range,
                            _raise_written_block, _scan_rows_fit, _shortest_token_field,
                            check_padded, check_rows_fit)
@@ -53,7 +54,6 @@ _first_bad_draft_block = native.checks.first_bad_draft_block
 _INHERITED_OUT_OF_RANGE = native.checks.INHERITED_OUT_OF_RANGE
 _check_take = native.carry.check_take
 _INT64_MIN = -INT64_MAX - 1
-_INT32, _INT32_MIN, _INT32_MAX = np.dtype(np.int32), -INT32_LIMIT, INT32_LIMIT - 1
 
 # What a check returns (host arrays, or device tensors on the device-op route):
 # (count, padded, start_positions, block_table, on_device, block_counts)
@@ -263,7 +263,7 @@ def check_begin_decode(geo: Geometry, active_request_count: Any, padded_count: A
                          f"[>= {count}, max_kv_block_count {geo.max_kv_block_count}]")
     used = None if block_counts is None else as_block_counts(
         geo, block_counts, count, geo.max_kv_block_count)
-    low, high = geo.table_range  # int32_rows_fit inlined: it runs every begin
+    low, high = geo.table_range  # check_rows_fit's free case inlined: every begin
     if not on_device and not (table.dtype is _INT32 and low <= _INT32_MIN and
                               high >= _INT32_MAX):
         check_rows_fit(table, count, geo.table_range, "block_table_src",
@@ -386,7 +386,7 @@ def check_commit_inputs(geo: Geometry, target: ViewTarget, append_counts: Any,
     if block_counts is not None:
         used = as_block_counts(geo, block_counts, num_prefill, table.shape[1])
         check_commit_counts(geo, counts, starts, used)
-    low, high = target.table_block_range  # int32_rows_fit inlined: every commit
+    low, high = target.table_block_range  # the same, inlined: every commit
     if not (table.dtype is _INT32 and low <= _INT32_MIN and high >= _INT32_MAX):
         check_rows_fit(table, num_prefill, target.table_block_range, "block_table",
                        "gpu_view.mha_block_table dtype", target.fields.mha_block_table.dtype,
