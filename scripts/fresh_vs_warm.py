@@ -164,12 +164,10 @@ def trace_regions(region) -> None:
     from mtpmeta.bench.trace_replay import CountingRuntime, Replay, known_syncs
     from mtpmeta.runtime import use_runtime
 
-    def replay(r, steps, run=True):
+    def prepare_only(r, steps):  # Replay.replay without the calls it times
         r.reset()
         for index, step in enumerate(steps):
             r.prepare(index, step)
-            if run:
-                r.run(step)
 
     torch.set_num_threads(1)
     meta = torch.device("meta")
@@ -180,20 +178,20 @@ def trace_regions(region) -> None:
             # Upstream's op sequence, warm, its read-backs answered from the host.
             reference = Replay("reference", config, meta,
                                known=known_syncs(config, timed_trace))
-            replay(reference, timed_trace)
+            reference.replay(timed_trace)
             label = f"{name} reference {len(timed_trace)}"
-            region(f"{label} warm", lambda: replay(reference, timed_trace))
-            region(f"{label} prepare", lambda: replay(reference, timed_trace, run=False))
+            region(f"{label} warm", lambda: reference.replay(timed_trace))
+            region(f"{label} prepare", lambda: prepare_only(reference, timed_trace))
             for path in ("mirror", "captured"):
                 throwaway = Replay(path, config, meta)  # JIT, interpreter caches
-                replay(throwaway, warm_up)
-                replay(throwaway, timed_trace)
+                throwaway.replay(warm_up)
+                throwaway.replay(timed_trace)
                 r = Replay(path, config, meta)
-                replay(r, warm_up)
+                r.replay(warm_up)
                 label = f"{name} {path} {len(timed_trace)}"
-                region(f"{label} fresh", lambda: replay(r, timed_trace))
-                region(f"{label} warm", lambda: replay(r, timed_trace))
-                region(f"{label} prepare", lambda: replay(r, timed_trace, run=False))
+                region(f"{label} fresh", lambda: r.replay(timed_trace))
+                region(f"{label} warm", lambda: r.replay(timed_trace))
+                region(f"{label} prepare", lambda: prepare_only(r, timed_trace))
 
 
 _HERE = Path(__file__).resolve().parent
