@@ -132,6 +132,8 @@ class MirrorBackend(ForwardStaging, CountedStaging):
                                           device=self.device)
         self._landing_head, self._reuse_table = begin.tensors(self._begin_landing)
         self._reuse_table.fill_(dummy)
+        self._table_words = word_view(buffers.block_table)
+        self._reuse_words = word_view(self._reuse_table)
         self._device_table_rows = 0
         self._begin_table_at = begin.offsets[1]  # bytes before a slot's table rows
         self._begin_row_bytes = width * self._reuse_table.element_size()
@@ -244,8 +246,8 @@ class MirrorBackend(ForwardStaging, CountedStaging):
         dsts = [self.buffers.draft_head[:count + 1]]
         srcs = [self._landing_head[:count + 1]]
         if count:
-            dsts.append(word_view(self.buffers.block_table[:count]))
-            srcs.append(word_view(self._reuse_table[:count]))
+            dsts.append(self._table_words[:count])
+            srcs.append(self._reuse_words[:count])
         grouped = len(dsts) > 1 and len({t.dtype for t in dsts + srcs}) == 1
         return dsts, srcs, grouped
 
@@ -397,7 +399,8 @@ class MirrorBackend(ForwardStaging, CountedStaging):
             rows = min(rows, num_prefill - 1)
         if rows <= 0 or target.width != self._width:
             return 0
-        return native.draft_state.matching_rows(table, self.host_block_table, rows)
+        d = native.draft_state.matching_rows(table, self.host_block_table, rows)
+        return d
 
     # -------------------------------------------------------------------- writers
     def write_token_maps(self, target: ViewTarget, rows: np.ndarray,

@@ -221,6 +221,44 @@ def test_a_length_seen_in_one_slot_is_warm_in_every_slot(monkeypatch):
     assert builds[0] == 0
 
 
+def test_a_new_real_token_count_builds_no_prefix(monkeypatch):
+    """A commit stage builds the prefixes of its real-token roles (request index,
+    position, pos id) for every token count when it is built, so commit passes whose
+    real token count T is new each time (P, padded tokens and requests fixed) build
+    nothing after the first; each view equals the reference's (pad tokens' request,
+    position and pos id are never written, so a copy over more than T would show)."""
+    from mtpmeta.shadow_stage import PREBUILT_TOKENS
+
+    assert TOKENS <= PREBUILT_TOKENS
+    meta, ref, view, ref_view = _mirror_and_reference(R, W)
+    table = np.arange(R * W, dtype=np.int32).reshape(R, W)
+    requests = 4
+    builds = [0]
+    build = _Prefixes.build
+
+    def counted_build(self, count):
+        builds[0] += 1
+        return build(self, count)
+
+    monkeypatch.setattr(_Prefixes, "build", counted_build)
+    rng = np.random.default_rng(3)
+    totals = [requests] + list(rng.permutation(np.arange(requests + 1, TOKENS)))  # each with pad tokens
+    for index, total in enumerate(totals):
+        counts = np.full(requests, total // requests, dtype=np.int32)
+        counts[:total % requests] += 1
+        starts = rng.integers(0, BS, size=requests).astype(np.int32)
+        for o, target in ((meta, view), (ref, ref_view)):
+            o.setup_commit_pass(target, counts, table, start_positions=starts,
+                                padded_token_count=TOKENS,
+                                padded_request_count=requests + 1)
+            o.end_forward()
+        assert_views_equal(view, ref_view)
+        if index == 0:
+            assert builds[0] > 0  # the request-count roles' prefixes
+            builds[0] = 0
+    assert builds[0] == 0, builds
+
+
 def test_begin_views_are_per_slot_and_bucket_of_rows():
     """A host-route begin_decode's host-to-device views are built per (slot, n
     rounded up to BEGIN_ROWS), not per (slot, n): 300 begins of random n in 1..24 on
