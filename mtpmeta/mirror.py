@@ -399,8 +399,7 @@ class MirrorBackend(ForwardStaging, CountedStaging):
             rows = min(rows, num_prefill - 1)
         if rows <= 0 or target.width != self._width:
             return 0
-        d = native.draft_state.matching_rows(table, self.host_block_table, rows)
-        return d
+        return native.draft_state.matching_rows(table, self.host_block_table, rows)
 
     # -------------------------------------------------------------------- writers
     def write_token_maps(self, target: ViewTarget, rows: np.ndarray,
