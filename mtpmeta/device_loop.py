@@ -55,17 +55,17 @@ from .buffers import PLANNED_DEPTHS, PersistentBuffers
 from .cache import BoundedCache
 from .gpu_view import ViewTarget
 from .placement import word_view
-from .shadow_stage import _Prefixes
+from .prefixes import Prefixes
 
 __all__ = ["DraftPlan", "PLANNED_DEPTHS"]
 
 K = PLANNED_DEPTHS
 
 
-def _cuts(tensor: Tensor, words: bool, counter: List[int]) -> _Prefixes:
+def _cuts(tensor: Tensor, words: bool, counter: List[int]) -> Prefixes:
     """Cached prefixes and row ranges of ``tensor`` (as int32 words with ``words``),
     indexed in its own elements (``scale`` 1)."""
-    return _Prefixes(word_view(tensor) if words else tensor, False, counter)
+    return Prefixes(word_view(tensor) if words else tensor, False, counter)
 
 
 class _ViewSide:
@@ -157,9 +157,9 @@ class DraftPlan:
         self.depth = 0
         # Per-depth source rows (prefix caches; ``_builds[0]`` counts their views).
         self._builds = [0]
-        self._src: List[Dict[str, _Prefixes]] = []
+        self._src: List[Dict[str, Prefixes]] = []
 
-        def cut(tensor: Tensor, words: bool = False) -> _Prefixes:
+        def cut(tensor: Tensor, words: bool = False) -> Prefixes:
             return _cuts(tensor, words, self._builds)
 
         for d in range(K):
@@ -178,8 +178,8 @@ class DraftPlan:
         self._dummy_cuts = {dtype: cut(t, True) for dtype, t in self._dummies.items()}
         self._block_cuts = {dtype: [cut(blocks[d], True) for d in range(K)]
                             for dtype, blocks in self._blocks.items()}
-        self._queries: Dict[int, _Prefixes] = {}  # window caches (_window)
-        self._cu_queries: Dict[int, _Prefixes] = {}
+        self._queries: Dict[int, Prefixes] = {}  # window caches (_window)
+        self._cu_queries: Dict[int, Prefixes] = {}
         self._minus_rows: Dict[int, Tensor] = {}  # pad rows -> [rows, W] of -1
         # The begin's views by (block dtype, n) and by p (at most 2R + 2 and R + 1).
         self._row_cache: Dict[Any, Tuple[Tensor, ...]] = {}
@@ -296,7 +296,7 @@ class DraftPlan:
         singles: List[Tuple[Tensor, Tensor]] = []
         words, raw, scale = side.words, side.raw, side.scale
 
-        def put(name: str, a: int, b: int, cut: _Prefixes, source: Tensor) -> None:
+        def put(name: str, a: int, b: int, cut: Prefixes, source: Tensor) -> None:
             """view.<name>[a:b] <- source[:b - a] (``cut``: its word prefixes)."""
             if b <= a:
                 return
@@ -333,7 +333,7 @@ class DraftPlan:
             srcs += [c["ones_zeros"].prefix(n), src["kv"].prefix(n)]
         return dsts, srcs, singles
 
-    def _window(self, cache: Dict[int, _Prefixes], start: int) -> _Prefixes:
+    def _window(self, cache: Dict[int, Prefixes], start: int) -> Prefixes:
         """Prefix cache of a constant's window ``[start:]`` (``_queries``: the
         ones-then-zeros at ``R - n``; ``_cu_queries``: the query sums at ``R - p``)."""
         cut = cache.get(start)

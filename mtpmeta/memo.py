@@ -1,7 +1,8 @@
 """What ``MTPMetadata`` memoizes for one allocation: resolved destination views,
 ``ForwardShape``s, and slices of the persistent buffers.
 
-Everything here is rebuilt on demand and dies with the allocation. A step resolves the
+Everything here is built on demand (the draft loop's active views for every n at
+once, when the memo is made) and dies with the allocation. A step resolves the
 same view four times, draws a shape that repeats step after step, and slices the same
 buffers at the same counts; building those again each call would cost more than the
 kernels that follow (a frozen dataclass alone costs about 1 µs).
@@ -46,6 +47,8 @@ class ForwardMemo:
         self._shapes = BoundedCache(_MAX_SHAPES)  # ForwardShape by its fields
         self._prefill = BoundedCache(_MAX_SHAPES)  # query_lengths[:m] by m
         self.active = BoundedCache(_MAX_SHAPES)  # ActiveViews by n; ``add_active`` fills it
+        for count in range(min(buffers.offsets.shape[0], _MAX_SHAPES - 1) + 1):
+            self.add_active(count)  # every n now: a draft loop of a new n builds none
 
     def target(self, gpu_view: Any) -> ViewTarget:
         """``gpu_view`` resolved (and checked to sit on the buffers' device)."""

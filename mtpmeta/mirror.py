@@ -154,6 +154,11 @@ class MirrorBackend(ForwardStaging, CountedStaging):
         # Per-count views of the persistent buffers and begin slots: keys are a name (a
         # slot's at most) and a count <= R + 1, so this bound is never reached.
         self._slices = BoundedCache(64 * (max_requests + 2))
+        # Every n's begin pair and advance prefix now: a draft loop of a new n builds
+        # neither.
+        for count in range(max_requests + 1):
+            self._slices.put(("begin_place", count), self._begin_pairs(count))
+            self._prefix("offsets", buffers.offsets, 0, count)
         self._order = StreamOrder(self.device, runtime)  # of the persistent buffers
 
     @property

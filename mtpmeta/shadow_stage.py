@@ -25,6 +25,10 @@ device fields are built once per slot, and nothing is built per shape:
   ``T <= min(cap, PREBUILT_TOKENS)`` when it is built (six tensor views per token of
   capacity: about 30 ms and 3.5 MB at a 1,288-token view, 95 ms at a 5,128-token one,
   the size the lazy cache of a long run reaches anyway), so a new ``T`` builds nothing;
+  likewise a depth stage builds the prefixes of its roles placed over the real row
+  count ``n`` (those three, the table rows, the persistent query/KV lengths) for every
+  ``n <= cap`` (12 views per row: about 10 ms at R 256, 40 ms at R 1024). The roles
+  placed over padded counts are built on first use: those counts come in buckets;
 * a pass with block counts (``flush_counted``) lands in the slot's own device stage
   instead (fenced with the slot), its sources per slot;
 * pairs are grouped as ``CopyPlan`` groups them (the same ops: one ``_foreach_copy_``
@@ -52,6 +56,7 @@ from torch import Tensor
 from .gpu_view import ViewFields, ViewTarget, kernel_args, view_entries
 from .layout import PackedLayout
 from .placement import word_view
+from .prefixes import Prefixes
 
 __all__ = ["DepthStage", "CommitStage"]
 
@@ -66,55 +71,15 @@ _SUMS = ("mha_cu_query_seq_lengths", "mha_cu_kv_seq_lengths")
 _TABLE = "mha_block_table"
 # The nine pairs every staged forward places, in order: (view field, staged field).
 _COMMON = _PAD_ROWS + _REAL_ROWS + _LENGTHS + _SUMS
+# The roles (indices into a stage's roles: _COMMON, then its extra pairs) placed over
+# the real token count of a pass, and over the real row count n of a depth (its
+# real-token rows, table rows and persistent query/KV lengths).
+_REAL_ROLES = tuple(range(len(_PAD_ROWS), len(_PAD_ROWS) + len(_REAL_ROWS)))
+_DEPTH_COUNT_ROLES = _REAL_ROLES + (len(_COMMON), len(_COMMON) + 1, len(_COMMON) + 2)
 # Memory orders of the two fixed shadows (whatever VIEW_FIELDS' order): the field a
 # forward's H2D copy ends in sits last.
 _DEPTH = (_TABLE,) + _COMMON
 _COMMIT = _LENGTHS + _SUMS + _REAL_ROWS + _PAD_ROWS + (_TABLE,)
-
-
-class _Prefixes:
-    """Prefixes ``[:k]`` (leading rows of a 2-D tensor) and row ranges of one tensor,
-    as int32 words when its pair copies words, each built once (``counter[0]`` counts
-    the builds)."""
-
-    __slots__ = ("tensor", "scale", "cache", "ranges", "counter")
-
-    def __init__(self, tensor: Tensor, words: bool, counter: List[int]) -> None:
-        viewed = word_view(tensor) if words else tensor
-        self.tensor = viewed
-        # Words per element of a 1-D tensor (an int64 field read as words: 2).
-        self.scale = viewed.shape[0] // tensor.shape[0] \
-            if tensor.dim() == 1 and tensor.shape[0] else 1
-        self.cache: Dict[int, Tensor] = {}  # k -> [:k]; k <= the tensor's length + 1
-        self.ranges: Dict[Tuple[int, int], Tensor] = {}  # (start, stop) -> rows
-        self.counter = counter
-
-    def build(self, count: int) -> Tensor:
-        value = self.tensor[:count * self.scale]
-        self.cache[count] = value
-        self.counter[0] += 1
-        return value
-
-    def prefix(self, count: int) -> Tensor:
-        """``[:count]`` (times ``scale`` words), built once."""
-        value = self.cache.get(count)
-        return value if value is not None else self.build(count)
-
-    def fill(self, upto: int) -> None:
-        """Build every prefix ``[:k]`` not built yet, ``1 <= k <= upto``."""
-        tensor, scale, cache = self.tensor, self.scale, self.cache
-        missing = [k for k in range(1, upto + 1) if k not in cache]
-        for k in missing:
-            cache[k] = tensor[:k * scale]
-        self.counter[0] += len(missing)
-
-    def rows(self, start: int, stop: int) -> Tensor:
-        value = self.ranges.get((start, stop))
-        if value is None:
-            value = self.tensor[start:stop]
-            self.ranges[(start, stop)] = value
-            self.counter[0] += 1
-        return value
 
 
 def _mode(dst: Tensor, src: Tensor) -> Tuple[bool, Any]:
@@ -154,7 +119,7 @@ class _FixedStage:
         self._h2d: List[Dict[int, Tuple[Tensor, Tensor]]] = [{} for _ in range(slots)]
         self._zone_ends: Dict[int, Tensor] = {}
         # Per slot, the roles over the slot's own device stage (flush_counted only).
-        self._roles: List[Optional[List[Tuple[_Prefixes, _Prefixes, int]]]] = [None] * slots
+        self._roles: List[Optional[List[Tuple[Prefixes, Prefixes, int]]]] = [None] * slots
         fields = target.fields
         self._zone = self.layout.tensors(ring.zone)  # the staged fields in the zone
         # Role -> (destination, source in the zone, staged field or None).
@@ -166,23 +131,32 @@ class _FixedStage:
         modes = [_mode(dst, src) for dst, src, _ in self._pairs]
         self._group_keys: List[Any] = []
         self._group_ids = [self._group(group) for _, group in modes]
-        self._dsts = [_Prefixes(dst, words, self._counter)
+        self._dsts = [Prefixes(dst, words, self._counter)
                       for (dst, _, _), (words, _) in zip(self._pairs, modes)]
         self._words = [words for words, _ in modes]
         # Sources that are not staged (persistent buffers) are shared by all slots.
         self._fixed_srcs = [None if name is not None else
-                            _Prefixes(src, words, self._counter)
+                            Prefixes(src, words, self._counter)
                             for (_, src, name), words in zip(self._pairs, self._words)]
         # The roles of a pass landed in the zone: shared by every slot.
         self._zone_roles = self._staged_roles(self._zone)
 
-    def _staged_roles(self, staged: Any) -> List[Tuple[_Prefixes, _Prefixes, int]]:
+    def _staged_roles(self, staged: Any) -> List[Tuple[Prefixes, Prefixes, int]]:
         """``(destination, source, group)`` per role, staged sources in ``staged``."""
         return [(dst, fixed if fixed is not None else
-                 _Prefixes(getattr(staged, name), words, self._counter), group)
+                 Prefixes(getattr(staged, name), words, self._counter), group)
                 for dst, fixed, (_, _, name), words, group in zip(
                     self._dsts, self._fixed_srcs, self._pairs, self._words,
                     self._group_ids)]
+
+    def _prebuilt(self, roles: Tuple[int, ...], upto: int) -> Any:
+        """This stage with every prefix ``[:k]``, ``k <= upto``, of the zone roles
+        ``roles`` (destination and source) built, returned."""
+        for index in roles:
+            dst, src, _ = self._zone_roles[index]
+            dst.fill(upto)
+            src.fill(upto)
+        return self
 
     def _group(self, key: Any) -> int:
         """The index of the copy group ``key`` (``_mode``'s), -1 for a single."""
@@ -206,7 +180,7 @@ class _FixedStage:
         return args
 
     def _ship(self, slot: int, written: int, *,
-              packed_bytes: Optional[int] = None) -> List[Tuple[_Prefixes, _Prefixes, int]]:
+              packed_bytes: Optional[int] = None) -> List[Tuple[Prefixes, Prefixes, int]]:
         """Issue the H2D copy of ``slot`` up to ``written`` elements (rows) of the last
         field into the zone, and return the zone's roles ``(destination, source,
         group)``; or, with ``packed_bytes``, that many bytes of the last field into the
@@ -234,7 +208,7 @@ class _FixedStage:
         h2d[0].copy_(h2d[1], non_blocking=True)
         return self._zone_roles
 
-    def _place(self, roles: List[Tuple[_Prefixes, _Prefixes, int]], counts: Tuple[int, ...],
+    def _place(self, roles: List[Tuple[Prefixes, Prefixes, int]], counts: Tuple[int, ...],
                extra: List[Tuple[Tensor, Tensor, int]]) -> None:
         """Issue the copies: role ``i`` over ``[:counts[i]]`` (0: dropped), then the
         ``extra`` ``(destination, source, group)`` pairs, grouped as ``CopyPlan``."""
@@ -311,7 +285,7 @@ class DepthStage(_FixedStage):
                                "kv_lengths": (buffers.kv_lengths, _LENGTHS[1])})
         width = target.width
         pad_words, pad_group = _mode(table, minus_one[:width].view(1, width))
-        self._pad_view = _Prefixes(table, pad_words, self._counter)
+        self._pad_view = Prefixes(table, pad_words, self._counter)
         self._pad_group = self._group(pad_group)
         self._pad_words = pad_words
         self._minus_one = minus_one
@@ -329,7 +303,8 @@ class DepthStage(_FixedStage):
         pads to at most that), or None when it does not fit one of ``ring``'s slots."""
         cap = min(max_requests, target.max_tokens, target.max_requests)
         stage = cls(target, ring, buffers, minus_one, cap)
-        return stage if stage.layout.nbytes <= ring.slot_bytes else None
+        return stage._prebuilt(_DEPTH_COUNT_ROLES, cap) \
+            if stage.layout.nbytes <= ring.slot_bytes else None
 
     def _pad_block(self, rows: int) -> Tensor:
         value = self._pad_blocks.get(rows)
@@ -371,8 +346,8 @@ class CommitStage(_FixedStage):
         self._whole_rows: Dict[Tuple[int, int], Tuple[Tensor, Tensor, int]] = {}
         words, group = _mode(table,
                              self.layout.tensors(ring.device_slots[0]).mha_block_table)
-        self._rows_view = _Prefixes(table, words, self._counter)
-        self._rows_src = _Prefixes(self._zone.mha_block_table, words, self._counter)
+        self._rows_view = Prefixes(table, words, self._counter)
+        self._rows_src = Prefixes(self._zone.mha_block_table, words, self._counter)
         self._table_field = table  # the view's mha_block_table [R, W]
         self._counted_groups: List[int] = []  # distinct groups of flush_counted rows
         self._packed_src: List[Optional[Tensor]] = [None] * ring.num_slots
@@ -396,7 +371,7 @@ class CommitStage(_FixedStage):
         requests = min(max_requests, target.max_requests)
         stage = cls(target, ring, buffers, target.max_tokens, requests, device_table)
         if stage.layout.nbytes <= ring.slot_bytes:
-            return stage._prebuilt()
+            return stage._prebuilt_tokens()
         bare = cls(target, ring, buffers, 0, requests, device_table)
         per_token = sum(dtype.itemsize for name, dtype in zip(bare.layout.names,
                                                               bare.layout.dtypes)
@@ -405,17 +380,12 @@ class CommitStage(_FixedStage):
         if cap < max_requests:
             return None
         stage = cls(target, ring, buffers, cap, requests, device_table)
-        return stage._prebuilt() if stage.layout.nbytes <= ring.slot_bytes else None
+        return stage._prebuilt_tokens() if stage.layout.nbytes <= ring.slot_bytes else None
 
-    def _prebuilt(self) -> "CommitStage":
+    def _prebuilt_tokens(self) -> "CommitStage":
         """This stage with every prefix of its real-token roles built (up to
         ``PREBUILT_TOKENS`` tokens; module docstring), returned."""
-        upto = min(self.cap, PREBUILT_TOKENS)
-        first = len(_PAD_ROWS)
-        for dst, src, _ in self._zone_roles[first:first + len(_REAL_ROWS)]:
-            dst.fill(upto)
-            src.fill(upto)
-        return self
+        return self._prebuilt(_REAL_ROLES, min(self.cap, PREBUILT_TOKENS))
 
     def flush(self, slot: int, tokens: int, real_tokens: int, requests: int,
               staged_count: int, device_rows: int) -> None:

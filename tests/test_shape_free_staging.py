@@ -16,7 +16,8 @@ from mtpmeta import MTPMetadata
 from mtpmeta.cache import BoundedCache
 from mtpmeta.layout import PackedLayout
 from mtpmeta.placement import CopyPlan
-from mtpmeta.shadow_stage import _FixedStage, _Prefixes
+from mtpmeta.prefixes import Prefixes
+from mtpmeta.shadow_stage import _FixedStage
 
 from .helpers import (assert_buffers_equal, assert_views_equal, config, make_reference,
                       make_view)
@@ -188,7 +189,7 @@ def test_a_length_seen_in_one_slot_is_warm_in_every_slot(monkeypatch):
     meta.allocate("cpu", mirror=True, max_tokens=TOKENS, staging_slots=8)
     view = make_view("context", R, TOKENS, W)
     builds = [0]
-    build, rows = _Prefixes.build, _Prefixes.rows
+    build, rows = Prefixes.build, Prefixes.rows
 
     def counted_build(self, count):
         builds[0] += 1
@@ -198,8 +199,8 @@ def test_a_length_seen_in_one_slot_is_warm_in_every_slot(monkeypatch):
         builds[0] += (start, stop) not in self.ranges
         return rows(self, start, stop)
 
-    monkeypatch.setattr(_Prefixes, "build", counted_build)
-    monkeypatch.setattr(_Prefixes, "rows", counted_rows)
+    monkeypatch.setattr(Prefixes, "build", counted_build)
+    monkeypatch.setattr(Prefixes, "rows", counted_rows)
     table = np.arange(R * W, dtype=np.int32).reshape(R, W)
     starts = np.arange(4, dtype=np.int32)
     counts = np.array([1, 2, 1, 3, 2], dtype=np.int32)
@@ -234,13 +235,13 @@ def test_a_new_real_token_count_builds_no_prefix(monkeypatch):
     table = np.arange(R * W, dtype=np.int32).reshape(R, W)
     requests = 4
     builds = [0]
-    build = _Prefixes.build
+    build = Prefixes.build
 
     def counted_build(self, count):
         builds[0] += 1
         return build(self, count)
 
-    monkeypatch.setattr(_Prefixes, "build", counted_build)
+    monkeypatch.setattr(Prefixes, "build", counted_build)
     rng = np.random.default_rng(3)
     totals = [requests] + list(rng.permutation(np.arange(requests + 1, TOKENS)))  # each with pad tokens
     for index, total in enumerate(totals):
@@ -257,6 +258,44 @@ def test_a_new_real_token_count_builds_no_prefix(monkeypatch):
             assert builds[0] > 0  # the request-count roles' prefixes
             builds[0] = 0
     assert builds[0] == 0, builds
+
+
+def test_a_new_row_count_builds_no_prefix(monkeypatch):
+    """A depth stage builds the prefixes of its roles placed over the real row count n
+    (request index, position, pos id, table rows, persistent query/KV lengths) for
+    every n when it is built, and the allocation every draft loop's active views and
+    begin copies: draft loops of a new n each (padded count fixed) build no prefix, no
+    active view and no begin pair after the first; views and buffers equal the
+    reference's after each."""
+    meta, ref, view, ref_view = _mirror_and_reference(R, W)
+    table = np.arange(R * W, dtype=np.int32).reshape(R, W)
+    builds = [0]
+    build = Prefixes.build
+
+    def counted_build(self, count):
+        builds[0] += 1
+        return build(self, count)
+
+    monkeypatch.setattr(Prefixes, "build", counted_build)
+    rng = np.random.default_rng(4)
+    backend = meta._backend
+    for index, n in enumerate([1] + list(rng.permutation(np.arange(2, R + 1)))):
+        starts = rng.integers(0, (W - 1) * BS, size=n).astype(np.int32)
+        if index == 1:
+            builds[0] = 0
+            cached = (len(meta._memo.active), set(backend._slices))
+        for o, target in ((meta, view), (ref, ref_view)):
+            o.begin_decode(int(n), R, starts, table, False)
+            for _ in range(2):
+                o.setup_decode_step(target)
+                o.advance_decode_step()
+            o.end_forward()
+        assert_views_equal(view, ref_view)
+        assert_buffers_equal(meta, ref)
+    assert builds[0] == 0, builds
+    assert len(meta._memo.active) == cached[0]
+    new_keys = set(backend._slices) - cached[1]
+    assert {key[0] for key in new_keys} <= {"begin_h2d"}, new_keys  # per slot, bucket
 
 
 def test_begin_views_are_per_slot_and_bucket_of_rows():
