@@ -136,6 +136,11 @@ def test_fresh_shapes_explain_a_path_slower_than_the_reference():
             "repeats, because each new shape builds that path's plans") in text
     result["fresh_us_per_step"]["mirror"] = 60.0
     assert "below 1x" not in format_fresh_shapes(result)
+    assert "first use" not in format_fresh_shapes(result)
+    result["first_use_ms"] = {"reference": 1.5, "direct": 2.25, "mirror": 40.0}
+    text = " ".join(format_fresh_shapes(result).split())
+    assert ("first use of a new object (build, allocate, one step), ms: reference 1.5, "
+            "direct 2.2, mirror 40.0 (the mirror path builds its views") in text
 
 
 def test_production_section_counts_bytes_and_ops_of_every_row():

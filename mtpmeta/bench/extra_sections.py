@@ -24,7 +24,7 @@ def run(args: Any, config: Any, note: Callable[[str], None] = lambda text: None,
     note("counting device data ops per call")
     out["ops_per_call"] = ops_per_call(config)
     print(format_ops_per_call(out["ops_per_call"]))
-    count = min(8 if args.quick else 20, max_fresh_steps(config))
+    count = min(8 if args.quick else 20, max_fresh_steps(config) - 1)
     if count >= 2:
         note(f"timing {count} steps that never repeat a shape")
         out["fresh_shapes"] = measure_fresh_shapes(

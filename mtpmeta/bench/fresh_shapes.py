@@ -4,8 +4,11 @@ The mirror path memoizes per-shape plans (layouts, copy plans, views) on the vie
 the metadata; a bench that replays the same few steps measures those caches warm. Here
 every step of a pass has its own active count, its own padded count (a different
 multiple of ``tp``), its own commit size and token padding, and every pass starts from
-new objects, so no plan is ever reused: the cost of a never-seen shape. It is reported
-next to the same paths replaying one repeated shape, in the same run.
+new objects, so no plan is ever reused: the cost of a never-seen shape. Each new object
+first runs one step of yet another shape, untimed there: its first use, timed apart
+with the object's build and allocation (the mirror path builds the views over its
+real counts then, for every count). Both are reported next to the same paths
+replaying one repeated shape, in the same run.
 """
 
 from __future__ import annotations
@@ -66,16 +69,19 @@ def _build(path: str, config):
 
 def measure_fresh_shapes(config, *, count: int = 20, repeats: int = 5,
                          seed: int = 0) -> Dict[str, Any]:
-    """µs per step of each path over never-repeated shapes (new objects each pass), and
-    over ``count`` replays of one shape after a warm-up, medians of ``repeats``."""
+    """µs per step of each path over never-repeated shapes (new objects each pass, each
+    after its first use on one more shape), ms of that first use (build, allocate, the
+    step), and µs per step over ``count`` replays of one shape after a warm-up, medians
+    of ``repeats``. Needs ``count + 1 <= max_fresh_steps(config)``."""
     from .workload import run_step
 
     torch.set_num_threads(1)
-    steps = fresh_steps(config, count, seed)
+    first, *steps = fresh_steps(config, count + 1, seed)
     # Objects sized for the largest step (max_tokens grows with both sizes).
-    sizing = replace(config, active=max(c.active for c, _ in steps),
-                     prefill_tokens=max(c.prefill_tokens for c, _ in steps))
+    sizing = replace(config, active=max(c.active for c, _ in steps + [first]),
+                     prefill_tokens=max(c.prefill_tokens for c, _ in steps + [first]))
     fresh: Dict[str, List[float]] = {p: [] for p in PATHS}
+    first_use: Dict[str, List[float]] = {p: [] for p in PATHS}
     repeated: Dict[str, List[float]] = {p: [] for p in PATHS}
     warm_objects = {p: _build(p, sizing) for p in PATHS}
     one = steps[0]
@@ -83,9 +89,11 @@ def measure_fresh_shapes(config, *, count: int = 20, repeats: int = 5,
         for _ in range(2):
             run_step(meta, view, one[1], one[0])
     for _ in range(repeats):
-        objects = {p: _build(p, sizing) for p in PATHS}
         for path in PATHS:  # interleaved by path, fresh objects each pass
-            meta, view = objects[path]
+            start = time.perf_counter_ns()
+            meta, view = _build(path, sizing)
+            run_step(meta, view, first[1], first[0])
+            first_use[path].append((time.perf_counter_ns() - start) / 1e6)
             start = time.perf_counter_ns()
             for step_config, inputs in steps:
                 run_step(meta, view, inputs, step_config)
@@ -97,18 +105,27 @@ def measure_fresh_shapes(config, *, count: int = 20, repeats: int = 5,
             repeated[path].append((time.perf_counter_ns() - start) / count / 1e3)
     return {"count": count,
             "fresh_us_per_step": {p: statistics.median(v) for p, v in fresh.items()},
+            "first_use_ms": {p: statistics.median(v) for p, v in first_use.items()},
             "repeated_us_per_step": {p: statistics.median(v) for p, v in repeated.items()}}
 
 
 def format_fresh_shapes(result: Dict[str, Any]) -> str:
     fresh, repeated = result["fresh_us_per_step"], result["repeated_us_per_step"]
     lines = [f"fresh shapes ({result['count']} steps, no shape seen twice, new objects "
-             "each pass) vs one repeated shape, µs per step:"]
+             "each pass after one step of another shape) vs one repeated shape, µs per "
+             "step:"]
     for path in fresh:
         lines.append(f"  {path:<10} fresh {fresh[path]:>9,.0f}   repeated "
                      f"{repeated[path]:>9,.0f}   fresh/repeated "
                      f"{fresh[path] / repeated[path]:>5.2f}x   reference/path fresh "
                      f"{fresh['reference'] / fresh[path]:>5.2f}x")
+    first = result.get("first_use_ms")
+    if first:
+        lines.append(textwrap.fill(
+            "  first use of a new object (build, allocate, one step), ms: " + ", ".join(
+                f"{path} {ms:,.1f}" for path, ms in first.items()) + " (the mirror path "
+            "builds its views over the real counts then, for every count: "
+            "docs/architecture.md, Mirror path costs)", width=88, subsequent_indent="    "))
     slower = [path for path in fresh if fresh[path] > fresh["reference"]]
     if slower:
         lines.append(textwrap.fill(
