@@ -23,7 +23,7 @@ device fields are built once per slot, and nothing is built per shape:
   contract leaves pad tokens' request, position and pos id as they were, so those
   three copies run over exactly ``T``): a commit stage builds their prefixes for every
   ``T <= min(cap, PREBUILT_TOKENS)`` when it is built (six tensor views per token of
-  capacity: about 30 ms and 3.5 MB at a 1,288-token view, 95 ms at a 5,128-token one,
+  capacity: about 30 ms and 3.5 MB at a 1,288-token view, 65-95 ms for 4,096 tokens,
   the size the lazy cache of a long run reaches anyway), so a new ``T`` builds nothing;
   likewise a depth stage builds the prefixes of its roles placed over the real row
   count ``n`` (those three, the table rows, the persistent query/KV lengths) for every

@@ -222,6 +222,19 @@ def test_a_length_seen_in_one_slot_is_warm_in_every_slot(monkeypatch):
     assert builds[0] == 0
 
 
+def _count_prefix_builds(monkeypatch):
+    """A one-element list that counts every ``Prefixes.build`` from now on."""
+    builds = [0]
+    build = Prefixes.build
+
+    def counted_build(self, count):
+        builds[0] += 1
+        return build(self, count)
+
+    monkeypatch.setattr(Prefixes, "build", counted_build)
+    return builds
+
+
 def test_a_new_real_token_count_builds_no_prefix(monkeypatch):
     """A commit stage builds the prefixes of its real-token roles (request index,
     position, pos id) for every token count when it is built, so commit passes whose
@@ -234,16 +247,10 @@ def test_a_new_real_token_count_builds_no_prefix(monkeypatch):
     meta, ref, view, ref_view = _mirror_and_reference(R, W)
     table = np.arange(R * W, dtype=np.int32).reshape(R, W)
     requests = 4
-    builds = [0]
-    build = Prefixes.build
-
-    def counted_build(self, count):
-        builds[0] += 1
-        return build(self, count)
-
-    monkeypatch.setattr(Prefixes, "build", counted_build)
+    builds = _count_prefix_builds(monkeypatch)
     rng = np.random.default_rng(3)
-    totals = [requests] + list(rng.permutation(np.arange(requests + 1, TOKENS)))  # each with pad tokens
+    # Every real token count below the padded one (each pass has pad tokens).
+    totals = [requests] + list(rng.permutation(np.arange(requests + 1, TOKENS)))
     for index, total in enumerate(totals):
         counts = np.full(requests, total // requests, dtype=np.int32)
         counts[:total % requests] += 1
@@ -269,14 +276,7 @@ def test_a_new_row_count_builds_no_prefix(monkeypatch):
     reference's after each."""
     meta, ref, view, ref_view = _mirror_and_reference(R, W)
     table = np.arange(R * W, dtype=np.int32).reshape(R, W)
-    builds = [0]
-    build = Prefixes.build
-
-    def counted_build(self, count):
-        builds[0] += 1
-        return build(self, count)
-
-    monkeypatch.setattr(Prefixes, "build", counted_build)
+    builds = _count_prefix_builds(monkeypatch)
     rng = np.random.default_rng(4)
     backend = meta._backend
     for index, n in enumerate([1] + list(rng.permutation(np.arange(2, R + 1)))):
