@@ -52,11 +52,9 @@ class Prefixes:
 
     def fill(self, upto: int) -> None:
         """Build every prefix ``[:k]`` not built yet, ``1 <= k <= upto``."""
-        tensor, scale, cache = self.tensor, self.scale, self.cache
-        missing = [k for k in range(1, upto + 1) if k not in cache]
-        for k in missing:
-            cache[k] = tensor[:k * scale]
-        self.counter[0] += len(missing)
+        for k in range(1, upto + 1):
+            if k not in self.cache:
+                self.build(k)
 
     def rows(self, start: int, stop: int) -> Tensor:
         value = self.ranges.get((start, stop))

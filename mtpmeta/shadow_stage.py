@@ -117,11 +117,11 @@ class _FixedStage:
         slots = ring.num_slots
         self._args: List[Optional[Tuple[Any, Any]]] = [None] * slots
         self._h2d: List[Dict[int, Tuple[Tensor, Tensor]]] = [{} for _ in range(slots)]
-        self._zone_ends: Dict[int, Tensor] = {}
         # Per slot, the roles over the slot's own device stage (flush_counted only).
         self._roles: List[Optional[List[Tuple[Prefixes, Prefixes, int]]]] = [None] * slots
         fields = target.fields
         self._zone = self.layout.tensors(ring.zone)  # the staged fields in the zone
+        self._zone_bytes = Prefixes(ring.zone, False, self._counter)  # H2D ends, shared
         # Role -> (destination, source in the zone, staged field or None).
         self._pairs = [(getattr(fields, name), getattr(self._zone, name), name)
                        for name in _COMMON]
@@ -199,10 +199,7 @@ class _FixedStage:
         end = self._end_base + written * self._end_item
         h2d = self._h2d[slot].get(end)
         if h2d is None:
-            zone = self._zone_ends.get(end)
-            if zone is None:
-                zone = self._zone_ends[end] = self.ring.zone[:end]
-            h2d = (zone, self.ring.slots[slot][:end])
+            h2d = (self._zone_bytes.prefix(end), self.ring.slots[slot][:end])
             self._h2d[slot][end] = h2d
             self._counter[0] += 1
         h2d[0].copy_(h2d[1], non_blocking=True)

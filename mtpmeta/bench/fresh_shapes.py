@@ -76,10 +76,11 @@ def measure_fresh_shapes(config, *, count: int = 20, repeats: int = 5,
     from .workload import run_step
 
     torch.set_num_threads(1)
-    first, *steps = fresh_steps(config, count + 1, seed)
+    drawn = fresh_steps(config, count + 1, seed)
+    first, steps = drawn[0], drawn[1:]
     # Objects sized for the largest step (max_tokens grows with both sizes).
-    sizing = replace(config, active=max(c.active for c, _ in steps + [first]),
-                     prefill_tokens=max(c.prefill_tokens for c, _ in steps + [first]))
+    sizing = replace(config, active=max(c.active for c, _ in drawn),
+                     prefill_tokens=max(c.prefill_tokens for c, _ in drawn))
     fresh: Dict[str, List[float]] = {p: [] for p in PATHS}
     first_use: Dict[str, List[float]] = {p: [] for p in PATHS}
     repeated: Dict[str, List[float]] = {p: [] for p in PATHS}
