@@ -188,7 +188,12 @@ class MirrorBackend(ForwardStaging, CountedStaging):
             self._order.enter()
 
     def _prefix(self, name, tensor: Tensor, start: int, stop: int) -> Tensor:
-        return self._slices.get_or_build((name, start, stop), lambda: tensor[start:stop])
+        key = (name, start, stop)
+        value = self._slices.get(key)  # get_or_build, inlined: several calls per step
+        if value is None:
+            value = tensor[start:stop]
+            self._slices.put(key, value)
+        return value
 
     # ---------------------------------------------------------------- draft loop
     def begin_decode(self, count: int, start_positions: np.ndarray,

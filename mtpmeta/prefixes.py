@@ -19,7 +19,7 @@ from torch import Tensor
 
 from .placement import word_view
 
-__all__ = ["Prefixes"]
+__all__ = ["Prefixes", "PrefixGroup"]
 
 
 class Prefixes:
@@ -63,3 +63,39 @@ class Prefixes:
             self.ranges[(start, stop)] = value
             self.counter[0] += 1
         return value
+
+
+class PrefixGroup:
+    """The pairs ``(destination, source)`` (each a ``Prefixes``) that one placement
+    copies over the same length ``k``: per ``k``, their ``[:k]`` views as two lists in
+    pair order, built once (``counter[0]`` counts the builds), so a placement joins a
+    few cached lists instead of looking up every pair's prefix. ``k == 0``: two empty
+    lists (nothing to copy)."""
+
+    __slots__ = ("pairs", "cache", "counter")
+
+    def __init__(self, pairs: List[Tuple[Prefixes, Prefixes]], counter: List[int]) -> None:
+        self.pairs = pairs
+        self.cache: Dict[int, Tuple[List[Tensor], List[Tensor]]] = {0: ([], [])}
+        self.counter = counter
+
+    @classmethod
+    def classes(cls, roles: list, members: Tuple[Tuple[int, ...], ...],
+                counter: List[int]) -> Tuple[list, List["PrefixGroup"]]:
+        """``(roles, a group per class)``: class ``i`` pairs the ``Prefixes`` of the
+        roles ``members[i]`` (each role a ``(destination, source, ...)`` tuple)."""
+        return roles, [cls([roles[i][:2] for i in indices], counter)
+                       for indices in members]
+
+    def build(self, count: int) -> Tuple[List[Tensor], List[Tensor]]:
+        value = ([dst.prefix(count) for dst, _ in self.pairs],
+                 [src.prefix(count) for _, src in self.pairs])
+        self.cache[count] = value
+        self.counter[0] += 1
+        return value
+
+    def fill(self, upto: int) -> None:
+        """Build every ``k <= upto`` not built yet."""
+        for k in range(1, upto + 1):
+            if k not in self.cache:
+                self.build(k)

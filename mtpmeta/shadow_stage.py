@@ -19,21 +19,20 @@ device fields are built once per slot, and nothing is built per shape:
   ``StreamOrder`` first (``MirrorBackend.refuse_capture``), so on a change of stream
   the new stream waits on an event recorded after the placement on the old one. The
   pinned host slot stays fenced per slot (its fence is recorded after the placement);
-* a commit pass's real token count ``T`` takes a new value at almost every step (the
-  contract leaves pad tokens' request, position and pos id as they were, so those
-  three copies run over exactly ``T``): a commit stage builds their prefixes for every
-  ``T <= min(cap, PREBUILT_TOKENS)`` when it is built (six tensor views per token of
-  capacity: about 30 ms and 3.5 MB at a 1,288-token view, 65-95 ms for 4,096 tokens,
-  the size the lazy cache of a long run reaches anyway), so a new ``T`` builds nothing;
-  likewise a depth stage builds the prefixes of its roles placed over the real row
-  count ``n`` (those three, the table rows, the persistent query/KV lengths) for every
-  ``n <= cap`` (12 views per row: about 10 ms at R 256, 40 ms at R 1024). The roles
-  placed over padded counts are built on first use: those counts come in buckets;
+* a commit pass's real token count ``T`` is new at almost every step (pad tokens'
+  request, position and pos id stay as they were, so those three copies run over
+  exactly ``T``): a commit stage builds their prefixes for every ``T <= min(cap,
+  PREBUILT_TOKENS)`` when it is built (six views per token: about 30 ms and 3.5 MB at
+  1,288 tokens, 65-95 ms for 4,096, what a long run's lazy cache reaches anyway), and
+  a depth stage those of its roles placed over the real row count ``n`` for every
+  ``n <= cap`` (12 views per row: about 10 ms at R 256, 40 ms at R 1024); the roles
+  placed over padded counts are built on first use (those counts come in buckets);
 * a pass with block counts (``flush_counted``) lands in the slot's own device stage
   instead (fenced with the slot), its sources per slot;
 * pairs are grouped as ``CopyPlan`` groups them (the same ops: one ``_foreach_copy_``
   per word dtype and device, a ``copy_`` per dtype conversion or lone pair, groups
-  first, empty pairs dropped), from groups fixed per view.
+  first, empty pairs dropped), from groups fixed per view; with one group (the usual
+  case) as a few cached lists joined (``PrefixGroup``), not two look-ups per pair.
 
 The copies are those of ``MirrorBackend._placement``. A depth of ``n`` rows padded to
 ``p``: block and local offset ``[:p]``; request, position and pos id ``[:n]``;
@@ -56,7 +55,7 @@ from torch import Tensor
 from .gpu_view import ViewFields, ViewTarget, kernel_args, view_entries
 from .layout import PackedLayout
 from .placement import word_view
-from .prefixes import Prefixes
+from .prefixes import PrefixGroup, Prefixes
 
 __all__ = ["DepthStage", "CommitStage"]
 
@@ -76,6 +75,14 @@ _COMMON = _PAD_ROWS + _REAL_ROWS + _LENGTHS + _SUMS
 # real-token rows, table rows and persistent query/KV lengths).
 _REAL_ROLES = tuple(range(len(_PAD_ROWS), len(_PAD_ROWS) + len(_REAL_ROWS)))
 _DEPTH_COUNT_ROLES = _REAL_ROLES + (len(_COMMON), len(_COMMON) + 1, len(_COMMON) + 2)
+# The roles by the length they are placed over (``_place_lengths``). A depth: its
+# padded count p (block, local offset, both lengths), n, p + 1 (both sums). A commit
+# pass: padded tokens, real tokens, request slots (lengths), slots + 1 (sums), device
+# rows, staged lengths.
+_PADDED, _SUMMED = _COMMON.index(_LENGTHS[0]), _COMMON.index(_SUMS[0])
+_DEPTH_CLASSES = ((0, 1, _PADDED, _PADDED + 1), _DEPTH_COUNT_ROLES, (_SUMMED, _SUMMED + 1))
+_COMMIT_CLASSES = ((0, 1), _REAL_ROLES, (_PADDED, _PADDED + 1), (_SUMMED, _SUMMED + 1),
+                   (len(_COMMON),), (len(_COMMON) + 1,))
 # Memory orders of the two fixed shadows (whatever VIEW_FIELDS' order): the field a
 # forward's H2D copy ends in sits last.
 _DEPTH = (_TABLE,) + _COMMON
@@ -102,9 +109,11 @@ class _FixedStage:
     growing once every (tensor, length) of a trace was seen."""
 
     def __init__(self, target: ViewTarget, ring: Any, buffers: Any, entries: Any,
-                 cap: int, extra: Dict[str, Tuple[Tensor, str]]) -> None:
+                 cap: int, extra: Dict[str, Tuple[Tensor, str]],
+                 classes: Tuple[Tuple[int, ...], ...]) -> None:
         """``extra``: pairs besides ``_COMMON``, by role: ``(destination, staged field
-        name or None)``; a role's source is then ``extra_sources[role]``."""
+        name or None)``; a role's source is then ``extra_sources[role]``. ``classes``:
+        the roles by the length they are placed over (each role in one)."""
         self.layout = PackedLayout.build(entries, align=_ALIGN)
         self.cap = cap
         last = len(entries) - 1
@@ -117,8 +126,8 @@ class _FixedStage:
         slots = ring.num_slots
         self._args: List[Optional[Tuple[Any, Any]]] = [None] * slots
         self._h2d: List[Dict[int, Tuple[Tensor, Tensor]]] = [{} for _ in range(slots)]
-        # Per slot, the roles over the slot's own device stage (flush_counted only).
-        self._roles: List[Optional[List[Tuple[Prefixes, Prefixes, int]]]] = [None] * slots
+        # Per slot, the roles and classes over its own device stage (flush_counted).
+        self._slot_shipped: List[Optional[Tuple[list, list]]] = [None] * slots
         fields = target.fields
         self._zone = self.layout.tensors(ring.zone)  # the staged fields in the zone
         self._zone_bytes = Prefixes(ring.zone, False, self._counter)  # H2D ends, shared
@@ -138,8 +147,10 @@ class _FixedStage:
         self._fixed_srcs = [None if name is not None else
                             Prefixes(src, words, self._counter)
                             for (_, src, name), words in zip(self._pairs, self._words)]
-        # The roles of a pass landed in the zone: shared by every slot.
-        self._zone_roles = self._staged_roles(self._zone)
+        self._class_roles = classes
+        # The roles (and classes) of a pass landed in the zone: shared by every slot.
+        self._zone_shipped = PrefixGroup.classes(self._staged_roles(self._zone), classes,
+                                                 self._counter)
 
     def _staged_roles(self, staged: Any) -> List[Tuple[Prefixes, Prefixes, int]]:
         """``(destination, source, group)`` per role, staged sources in ``staged``."""
@@ -153,7 +164,7 @@ class _FixedStage:
         """This stage with every prefix ``[:k]``, ``k <= upto``, of the zone roles
         ``roles`` (destination and source) built, returned."""
         for index in roles:
-            dst, src, _ = self._zone_roles[index]
+            dst, src, _ = self._zone_shipped[0][index]
             dst.fill(upto)
             src.fill(upto)
         return self
@@ -180,20 +191,22 @@ class _FixedStage:
         return args
 
     def _ship(self, slot: int, written: int, *,
-              packed_bytes: Optional[int] = None) -> List[Tuple[Prefixes, Prefixes, int]]:
+              packed_bytes: Optional[int] = None) -> Tuple[list, List[PrefixGroup]]:
         """Issue the H2D copy of ``slot`` up to ``written`` elements (rows) of the last
         field into the zone, and return the zone's roles ``(destination, source,
-        group)``; or, with ``packed_bytes``, that many bytes of the last field into the
-        slot's own device stage (sliced per call, never cached), and the slot's roles.
-        The caller entered the backend's ``StreamOrder`` first (module docstring)."""
+        group)`` and classes; or, with ``packed_bytes``, that many bytes of the last
+        field into the slot's own device stage (sliced per call, never cached), and the
+        slot's. The caller entered the backend's ``StreamOrder`` first (module
+        docstring)."""
         if packed_bytes is not None:
             end = self._end_base + packed_bytes
             self.ring.device_slots[slot][:end].copy_(self.ring.slots[slot][:end],
                                                     non_blocking=True)
-            roles = self._roles[slot]
+            roles = self._slot_shipped[slot]
             if roles is None:
-                roles = self._staged_roles(self.layout.tensors(self.ring.device_slots[slot]))
-                self._roles[slot] = roles
+                roles = PrefixGroup.classes(self._staged_roles(self.layout.tensors(
+                    self.ring.device_slots[slot])), self._class_roles, self._counter)
+                self._slot_shipped[slot] = roles
                 self._counter[0] += 1
             return roles
         end = self._end_base + written * self._end_item
@@ -203,29 +216,12 @@ class _FixedStage:
             self._h2d[slot][end] = h2d
             self._counter[0] += 1
         h2d[0].copy_(h2d[1], non_blocking=True)
-        return self._zone_roles
+        return self._zone_shipped
 
     def _place(self, roles: List[Tuple[Prefixes, Prefixes, int]], counts: Tuple[int, ...],
                extra: List[Tuple[Tensor, Tensor, int]]) -> None:
         """Issue the copies: role ``i`` over ``[:counts[i]]`` (0: dropped), then the
         ``extra`` ``(destination, source, group)`` pairs, grouped as ``CopyPlan``."""
-        if self._single_group:  # the usual case: every pair in group 0, no single
-            dsts: List[Tensor] = []
-            srcs: List[Tensor] = []
-            for (dst_p, src_p, _), count in zip(roles, counts):
-                if count:
-                    dst = dst_p.cache.get(count)
-                    src = src_p.cache.get(count)
-                    dsts.append(dst if dst is not None else dst_p.build(count))
-                    srcs.append(src if src is not None else src_p.build(count))
-            for dst, src, _ in extra:
-                dsts.append(dst)
-                srcs.append(src)
-            if len(dsts) > 1:
-                torch._foreach_copy_(dsts, srcs, non_blocking=True)
-            elif dsts:
-                dsts[0].copy_(srcs[0], non_blocking=True)
-            return
         groups: List[Tuple[List[Tensor], List[Tensor]]] = [
             ([], []) for _ in self._group_keys]
         singles = []
@@ -257,6 +253,34 @@ class _FixedStage:
         for dst, src in singles:
             dst.copy_(src, non_blocking=True)
 
+    def _place_lengths(self, shipped: Tuple[list, List[PrefixGroup]],
+                       lengths: Tuple[int, ...],
+                       extra: List[Tuple[Tensor, Tensor, int]]) -> None:
+        """``_place`` of ``shipped`` (``_ship``'s roles and classes), class ``i`` over
+        ``[:lengths[i]]``: with one copy group (the usual case), each class's pairs as
+        two cached lists (``PrefixGroup``), joined, then ``extra``; else by ``_place``."""
+        roles, classes = shipped
+        if not self._single_group:
+            counts = [0] * len(roles)
+            for members, length in zip(self._class_roles, lengths):
+                for index in members:
+                    counts[index] = length
+            self._place(roles, tuple(counts), extra)
+            return
+        dsts: List[Tensor] = []
+        srcs: List[Tensor] = []
+        for group, length in zip(classes, lengths):
+            pairs = group.cache.get(length) or group.build(length)
+            dsts += pairs[0]
+            srcs += pairs[1]
+        for dst, src, _ in extra:
+            dsts.append(dst)
+            srcs.append(src)
+        if len(dsts) > 1:
+            torch._foreach_copy_(dsts, srcs, non_blocking=True)
+        elif dsts:
+            dsts[0].copy_(srcs[0], non_blocking=True)
+
     def _seal(self) -> None:
         """Called by a subclass once its extra pairs' groups are registered."""
         self._single_group = len(self._group_keys) == 1 and min(self._group_ids) == 0 \
@@ -279,7 +303,8 @@ class DepthStage(_FixedStage):
         super().__init__(target, ring, buffers, tuple(by_name[name] for name in _DEPTH),
                          cap, {"table": (table, buffers.block_table),
                                "query_lengths": (buffers.query_lengths, _LENGTHS[0]),
-                               "kv_lengths": (buffers.kv_lengths, _LENGTHS[1])})
+                               "kv_lengths": (buffers.kv_lengths, _LENGTHS[1])},
+                         _DEPTH_CLASSES)
         width = target.width
         pad_words, pad_group = _mode(table, minus_one[:width].view(1, width))
         self._pad_view = Prefixes(table, pad_words, self._counter)
@@ -300,8 +325,10 @@ class DepthStage(_FixedStage):
         pads to at most that), or None when it does not fit one of ``ring``'s slots."""
         cap = min(max_requests, target.max_tokens, target.max_requests)
         stage = cls(target, ring, buffers, minus_one, cap)
-        return stage._prebuilt(_DEPTH_COUNT_ROLES, cap) \
-            if stage.layout.nbytes <= ring.slot_bytes else None
+        if stage.layout.nbytes > ring.slot_bytes:
+            return None
+        stage._zone_shipped[1][1].fill(cap)  # the class placed over n, its prefixes too
+        return stage._prebuilt(_DEPTH_COUNT_ROLES, cap)
 
     def _pad_block(self, rows: int) -> Tensor:
         value = self._pad_blocks.get(rows)
@@ -317,12 +344,21 @@ class DepthStage(_FixedStage):
         """Copy ``slot``'s shadow of a depth of ``count`` rows padded to ``padded`` to
         the zone (one H2D copy) and place it. The caller entered the backend's
         ``StreamOrder`` first and records the slot's fence after."""
-        roles = self._ship(slot, padded + 1)
-        extra = [] if padded == count else [
-            (self._pad_view.rows(count, padded), self._pad_block(padded - count),
-             self._pad_group)]
-        self._place(roles, (padded, padded, count, count, count, padded, padded,
-                            padded + 1, padded + 1, count, count, count), extra)
+        shipped = self._ship(slot, padded + 1)
+        if not self._single_group:
+            extra = [] if padded == count else [
+                (self._pad_view.rows(count, padded), self._pad_block(padded - count),
+                 self._pad_group)]
+            return self._place_lengths(shipped, (padded, count, padded + 1), extra)
+        pads, rows, sums = shipped[1]  # _place_lengths' joins, unrolled: every depth
+        pad = pads.cache.get(padded) or pads.build(padded)
+        real = rows.cache.get(count) or rows.build(count)
+        summed = sums.cache.get(padded + 1) or sums.build(padded + 1)
+        dsts, srcs = pad[0] + real[0] + summed[0], pad[1] + real[1] + summed[1]
+        if padded != count:
+            dsts.append(self._pad_view.rows(count, padded))
+            srcs.append(self._pad_block(padded - count))
+        torch._foreach_copy_(dsts, srcs, non_blocking=True)  # the sums: >= 2 pairs
 
 
 class CommitStage(_FixedStage):
@@ -338,7 +374,8 @@ class CommitStage(_FixedStage):
         table = target.fields.mha_block_table
         super().__init__(target, ring, buffers, tuple(by_name[name] for name in _COMMIT),
                          cap, {"table": (table, device_table),
-                               "query_lengths": (buffers.query_lengths, _LENGTHS[0])})
+                               "query_lengths": (buffers.query_lengths, _LENGTHS[0])},
+                         _COMMIT_CLASSES)
         self.requests = requests
         self._whole_rows: Dict[Tuple[int, int], Tuple[Tensor, Tensor, int]] = {}
         words, group = _mode(table,
@@ -382,6 +419,7 @@ class CommitStage(_FixedStage):
     def _prebuilt_tokens(self) -> "CommitStage":
         """This stage with every prefix of its real-token roles built (up to
         ``PREBUILT_TOKENS`` tokens; module docstring), returned."""
+        self._zone_shipped[1][1].fill(min(self.cap, PREBUILT_TOKENS))  # real tokens
         return self._prebuilt(_REAL_ROLES, min(self.cap, PREBUILT_TOKENS))
 
     def flush(self, slot: int, tokens: int, real_tokens: int, requests: int,
@@ -391,7 +429,7 @@ class CommitStage(_FixedStage):
         caller entered the backend's ``StreamOrder`` first and records the slot's
         fence after."""
         shadow_rows = requests - device_rows
-        roles = self._ship(slot, shadow_rows)
+        shipped = self._ship(slot, shadow_rows)
         extra = []
         if shadow_rows:
             source = self._rows_src
@@ -400,9 +438,8 @@ class CommitStage(_FixedStage):
                 src = source.build(shadow_rows)
             extra.append((self._rows_view.rows(device_rows, requests), src,
                           self._rows_group))
-        self._place(roles, (tokens, tokens, real_tokens, real_tokens, real_tokens,
-                            requests, requests, requests + 1, requests + 1, device_rows,
-                            staged_count), extra)
+        self._place_lengths(shipped, (tokens, real_tokens, requests, requests + 1,
+                                      device_rows, staged_count), extra)
 
     def flush_counted(self, slot: int, tokens: int, real_tokens: int, requests: int,
                       staged_count: int, columns: int, dummy_block: Tensor,
@@ -415,16 +452,15 @@ class CommitStage(_FixedStage):
         the slot's fence after."""
         last = len(self.layout.names) - 1
         width = self.layout.shapes[last][1]
-        roles = self._ship(slot, 0, packed_bytes=staged_count * columns
-                           * self.layout.dtypes[last].itemsize)
+        shipped = self._ship(slot, 0, packed_bytes=staged_count * columns
+                             * self.layout.dtypes[last].itemsize)
         extra = []
         if columns < width and staged_count:
             extra.append(self._whole(dummy_block, 0, staged_count, width))
         if requests > staged_count:
             extra.append(self._whole(minus_one, staged_count, requests, width))
-        self._place(roles, (tokens, tokens, real_tokens, real_tokens, real_tokens,
-                            requests, requests, requests + 1, requests + 1, 0,
-                            staged_count), extra)
+        self._place_lengths(shipped, (tokens, real_tokens, requests, requests + 1, 0,
+                                      staged_count), extra)
         if staged_count:
             flat = self._packed_src[slot]
             if flat is None:  # the slot's staged table region, flat: built once

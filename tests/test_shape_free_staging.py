@@ -328,3 +328,46 @@ def test_begin_views_are_per_slot_and_bucket_of_rows():
     keys = [key for key in backend._slices if key[0] == "begin_h2d"]
     assert {key[2] for key in keys} <= {BEGIN_ROWS, 2 * BEGIN_ROWS, 3 * BEGIN_ROWS}
     assert 0 < len(keys) <= backend._begin_ring.num_slots * 3, len(keys)
+
+
+def test_length_classes_issue_the_pair_by_pair_copies(monkeypatch):
+    """With one copy group a fixed stage places its pairs by length class (a few
+    cached lists joined: ``PrefixGroup``); the pair-by-pair ``_place`` is the fallback
+    for several groups. Both must issue the same copies, each class a role's own
+    length: 60 random steps (depths with and without pad rows, commit passes before and
+    after the loop) run twice from the same state, once each way, issue the same
+    ``_foreach_copy_`` pairs (the same cached views, by identity) in every call, and
+    the views equal the reference's. A role put in the wrong class copies over the
+    wrong length: a pair that differs here, a row the reference does not write."""
+    meta, ref, view, ref_view = _mirror_and_reference(R, W)
+    rng = np.random.default_rng(11)
+    table = rng.permutation(R * W).reshape(R, W).astype(np.int32)
+    calls = []
+    foreach_copy = torch._foreach_copy_
+
+    def recording(dsts, srcs, **kwargs):
+        calls.append(sorted((id(dst), id(src)) for dst, src in zip(dsts, srcs)))
+        return foreach_copy(dsts, srcs, **kwargs)
+
+    monkeypatch.setattr(torch, "_foreach_copy_", recording)
+
+    def run(pairs):
+        calls.clear()
+        for o, _ in pairs:  # the same state before each run: every row shipped
+            o.begin_decode(R, R, np.zeros(R, np.int32), table, False)
+            o.end_forward()
+        steps = np.random.default_rng(12)
+        for _ in range(60):
+            _step(pairs, steps, table)
+        return list(calls)
+
+    by_class = run(((meta, view),))
+    run(((ref, ref_view),))
+    assert_views_equal(view, ref_view)
+    stages = [stage for stage in meta._memo.target(view).plans.values()
+              if isinstance(stage, _FixedStage)]
+    assert len(stages) == 2 and all(stage._single_group for stage in stages)
+    for stage in stages:
+        stage._single_group = False  # the pair-by-pair fallback from now on
+    assert run(((meta, view),)) == by_class
+    assert_views_equal(view, ref_view)
