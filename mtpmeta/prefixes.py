@@ -83,7 +83,11 @@ class PrefixGroup:
     def classes(cls, roles: list, members: Tuple[Tuple[int, ...], ...],
                 counter: List[int]) -> Tuple[list, List["PrefixGroup"]]:
         """``(roles, a group per class)``: class ``i`` pairs the ``Prefixes`` of the
-        roles ``members[i]`` (each role a ``(destination, source, ...)`` tuple)."""
+        roles ``members[i]`` (each role a ``(destination, source, ...)`` tuple). The
+        classes must hold each role once (a role left out would never be copied)."""
+        if sorted(i for indices in members for i in indices) != list(range(len(roles))):
+            raise ValueError(f"classes {members}: each of the {len(roles)} roles must be "
+                             "in exactly one")
         return roles, [cls([roles[i][:2] for i in indices], counter)
                        for indices in members]
 

@@ -202,13 +202,13 @@ class _FixedStage:
             end = self._end_base + packed_bytes
             self.ring.device_slots[slot][:end].copy_(self.ring.slots[slot][:end],
                                                     non_blocking=True)
-            roles = self._slot_shipped[slot]
-            if roles is None:
-                roles = PrefixGroup.classes(self._staged_roles(self.layout.tensors(
+            shipped = self._slot_shipped[slot]
+            if shipped is None:
+                shipped = PrefixGroup.classes(self._staged_roles(self.layout.tensors(
                     self.ring.device_slots[slot])), self._class_roles, self._counter)
-                self._slot_shipped[slot] = roles
+                self._slot_shipped[slot] = shipped
                 self._counter[0] += 1
-            return roles
+            return shipped
         end = self._end_base + written * self._end_item
         h2d = self._h2d[slot].get(end)
         if h2d is None:

@@ -371,3 +371,19 @@ def test_length_classes_issue_the_pair_by_pair_copies(monkeypatch):
         stage._single_group = False  # the pair-by-pair fallback from now on
     assert run(((meta, view),)) == by_class
     assert_views_equal(view, ref_view)
+
+
+def test_length_classes_must_hold_each_role_once():
+    """A role in no class would never be copied, one in two classes twice: building
+    the classes refuses both, so an edit of a stage's class table cannot drop a copy."""
+    from mtpmeta.prefixes import PrefixGroup
+
+    counter = [0]
+    roles = [(Prefixes(torch.zeros(4), False, counter),
+              Prefixes(torch.zeros(4), False, counter), 0) for _ in range(3)]
+    got, groups = PrefixGroup.classes(roles, ((0, 2), (1,)), counter)
+    assert got is roles and [len(group.pairs) for group in groups] == [2, 1]
+    assert groups[0].build(2)[0][1] is roles[2][0].prefix(2)
+    for members in (((0, 2),), ((0, 1), (1, 2))):
+        with pytest.raises(ValueError, match="exactly one"):
+            PrefixGroup.classes(roles, members, counter)
