@@ -83,6 +83,7 @@ _PADDED, _SUMMED = _COMMON.index(_LENGTHS[0]), _COMMON.index(_SUMS[0])
 _DEPTH_CLASSES = ((0, 1, _PADDED, _PADDED + 1), _DEPTH_COUNT_ROLES, (_SUMMED, _SUMMED + 1))
 _COMMIT_CLASSES = ((0, 1), _REAL_ROLES, (_PADDED, _PADDED + 1), (_SUMMED, _SUMMED + 1),
                    (len(_COMMON),), (len(_COMMON) + 1,))
+_REAL_CLASS = 1  # in both: the class placed over the real count (n rows, T tokens)
 # Memory orders of the two fixed shadows (whatever VIEW_FIELDS' order): the field a
 # forward's H2D copy ends in sits last.
 _DEPTH = (_TABLE,) + _COMMON
@@ -160,13 +161,10 @@ class _FixedStage:
                     self._dsts, self._fixed_srcs, self._pairs, self._words,
                     self._group_ids)]
 
-    def _prebuilt(self, roles: Tuple[int, ...], upto: int) -> Any:
-        """This stage with every prefix ``[:k]``, ``k <= upto``, of the zone roles
-        ``roles`` (destination and source) built, returned."""
-        for index in roles:
-            dst, src, _ = self._zone_shipped[0][index]
-            dst.fill(upto)
-            src.fill(upto)
+    def _prebuilt(self, upto: int) -> Any:
+        """This stage with the zone's real-count class built for every ``k <= upto``
+        (its pairs' prefixes ``[:k]`` and their lists), returned."""
+        self._zone_shipped[1][_REAL_CLASS].fill(upto)
         return self
 
     def _group(self, key: Any) -> int:
@@ -327,8 +325,7 @@ class DepthStage(_FixedStage):
         stage = cls(target, ring, buffers, minus_one, cap)
         if stage.layout.nbytes > ring.slot_bytes:
             return None
-        stage._zone_shipped[1][1].fill(cap)  # the class placed over n, its prefixes too
-        return stage._prebuilt(_DEPTH_COUNT_ROLES, cap)
+        return stage._prebuilt(cap)
 
     def _pad_block(self, rows: int) -> Tensor:
         value = self._pad_blocks.get(rows)
@@ -419,8 +416,7 @@ class CommitStage(_FixedStage):
     def _prebuilt_tokens(self) -> "CommitStage":
         """This stage with every prefix of its real-token roles built (up to
         ``PREBUILT_TOKENS`` tokens; module docstring), returned."""
-        self._zone_shipped[1][1].fill(min(self.cap, PREBUILT_TOKENS))  # real tokens
-        return self._prebuilt(_REAL_ROLES, min(self.cap, PREBUILT_TOKENS))
+        return self._prebuilt(min(self.cap, PREBUILT_TOKENS))
 
     def flush(self, slot: int, tokens: int, real_tokens: int, requests: int,
               staged_count: int, device_rows: int) -> None:
