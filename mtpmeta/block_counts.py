@@ -107,12 +107,14 @@ def counted_commit(counts: np.ndarray, starts: Optional[np.ndarray], table: np.n
                    padded_tokens: int, pad_tokens: int, max_requests: int,
                    min_padded_requests: int, block_size: int, dummy: int, width: int,
                    high: int, lengths: np.ndarray, token_args: tuple, request_args: tuple,
-                   known: np.ndarray, known_rows: int) -> Tuple[int, int, int, int]:
+                   known: np.ndarray, known_rows: int, fill: Optional[int] = None
+                   ) -> Tuple[int, int, int, int]:
     """A commit pass with counts, both paths: ``native.staging.commit_pass`` for all but
     the table rows (its refusals included: then nothing is written), then
     ``native.counts.write_counted_rows`` into ``request_args[4]`` (the view's
     ``mha_block_table`` or a packed shadow; ``known``, ``known_rows`` as there, and
-    ``known`` at least as long as the pass's padded requests). Returns as the kernel."""
+    ``known`` at least as long as the pass's padded requests; ``fill``, the rows' value
+    past their counts, ``dummy`` by default). Returns as the kernel."""
     table_rows = request_args[4]
     result = native.staging.commit_pass(
         counts, *kernel_optional(starts), table, *kernel_optional(inherited),
@@ -127,6 +129,7 @@ def counted_commit(counts: np.ndarray, starts: Optional[np.ndarray], table: np.n
         start = 0 if starts is None else int(starts[num_prefill - 1])
         absorb = start + int(counts[num_prefill - 1])
     native.counts.write_counted_rows(table, block_counts, num_prefill, result[1],
-                                     result[2], dummy, absorb, block_size, known,
+                                     result[2], dummy, dummy if fill is None else fill,
+                                     absorb, block_size, known,
                                      known_rows, table_rows)
     return result

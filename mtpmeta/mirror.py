@@ -47,7 +47,8 @@ to ``BEGIN_ROWS``, so its views are per slot and bucket), so no write into the p
 buffers (in place, ``.data``, DLPack, a graph replay, under ``torch.inference_mode``)
 can reach a row a commit places. A step whose commit pass follows its draft loop on one
 table ships that table once, not twice (``_rows_on_device``; ``reused_table_rows``
-counts the rows so placed).
+counts the rows so placed). A wide table (``DERIVED_MIN_ENTRIES``) instead ships packed
+rows and reuses none (``mirror_counts``, "Derived counts").
 
 The forward staging (the ring, the shadows and fixed stages, their cost and growth)
 is ``ForwardStaging`` in ``mirror_staging.py``, a mixin of ``MirrorBackend``.
@@ -75,10 +76,13 @@ from .runtime import DeviceRuntime, StreamOrder, get_runtime
 from .cache import BoundedCache
 from .staging import StagingRing
 
-__all__ = ["MirrorBackend", "BEGIN_ROWS"]
+__all__ = ["MirrorBackend", "BEGIN_ROWS", "DERIVED_MIN_ENTRIES"]
 
 #: A host-route begin ships its table rows rounded up to this many (module docstring).
 BEGIN_ROWS = 8
+#: A default begin of at least this many table entries (n * W) ships only each row's
+#: columns before its trailing -1 run (``CountedStaging._begin_derived``).
+DERIVED_MIN_ENTRIES = 1 << 16
 
 
 class MirrorBackend(ForwardStaging, CountedStaging):
@@ -152,7 +156,8 @@ class MirrorBackend(ForwardStaging, CountedStaging):
         self.device_route = DeviceRoute(buffers, block_size=block_size, dummy=dummy,
                                         runtime=runtime, minus_one=self._minus_one)
         # Per-count views of the persistent buffers and begin slots: keys are a name (a
-        # slot's at most) and a count <= R + 1, so this bound is never reached.
+        # slot's at most), a count <= R + 1 and, for a packed begin, one of its few
+        # column buckets, so this bound is never reached.
         self._slices = BoundedCache(64 * (max_requests + 2))
         # Every n's begin pair and advance prefix now: a draft loop of a new n builds
         # neither.
@@ -206,8 +211,12 @@ class MirrorBackend(ForwardStaging, CountedStaging):
                                                    self._width):
             return False  # checked before a slot is taken: nothing written
         self.host_offsets_known = True
+        self.host_counts_derived = False
         if block_counts is not None:
             self._begin_counted(count, start_positions, table_src, block_counts)
+            return True
+        if count * self._width >= DERIVED_MIN_ENTRIES and \
+                self._begin_derived(count, start_positions, table_src):
             return True
         self.host_block_counts = self._full_counts
         ring = self._begin_ring
@@ -268,6 +277,7 @@ class MirrorBackend(ForwardStaging, CountedStaging):
         self.refuse_capture("begin_decode")
         self.device_route.begin_decode(count, start_positions, table_src, padded)
         self.host_offsets_known = False
+        self.host_counts_derived = False
         self.host_block_counts = self._full_counts
         self._device_table_rows = 0  # the host never saw this table: nothing to reuse
 
@@ -278,6 +288,7 @@ class MirrorBackend(ForwardStaging, CountedStaging):
                                           self.dummy)
         self.host_block_counts = self._full_counts
         self.host_offsets_known = True
+        self.host_counts_derived = False
         self._prefix("offsets", self.buffers.offsets, 0, count).zero_()
         self._prefix("block_table", self.buffers.block_table, 0, count).fill_(self.dummy)
         self.buffers.draft_count.fill_(count)  # every row real for the device too
@@ -366,6 +377,12 @@ class MirrorBackend(ForwardStaging, CountedStaging):
             return self._commit_counted(target, counts, starts, table, inherited,
                                         block_counts, padded_tokens, pad_tokens,
                                         min_padded_requests, padded_requests)
+        if counts.shape[0] * self._width >= DERIVED_MIN_ENTRIES:
+            result = self._commit_derived(target, counts, starts, table, inherited,
+                                          padded_tokens, pad_tokens, min_padded_requests,
+                                          padded_requests)
+            if result is not None:
+                return result
         device_rows = self._rows_on_device(target, table, counts.shape[0], pad_tokens)
         stage = self._commit_stage(target)
         if stage is None or padded_tokens > stage.cap or padded_requests > stage.requests:

@@ -24,6 +24,25 @@ built per call, a few µs), so no per-shape state grows.
   lays the packed rows over ``[:m, :C]``: 3 data ops, one more than without counts.
   A pass that does not fit the fixed commit stage ships whole rows (``D`` past the
   counts) through the per-shape shadow.
+
+Derived counts (the default route, no counts passed): a begin or commit pass whose
+table has at least ``mirror.DERIVED_MIN_ENTRIES`` entries (``n * W``, ``P * W``) takes
+each row's count from the table itself, the columns before its trailing run of -1
+(``native.draft_state.used_columns``: one read of the rows, at read bandwidth), and
+goes the counted way with -1, not ``D``, past the counts: the packed rows hold -1 up
+to ``C`` and the device rows get -1 past it (a commit's pad request still gets ``D``).
+So the device table and the view are the caller's bit for bit, but the host writes
+only each row's used columns (and those a slot's last rows held past them) and ships
+``[n, C]`` rows instead of ``[n, W]`` (on the production trace: about 54 of 2048
+columns written per row, ``C`` 512), and a depth or token that writes a -1 column is
+refused as on whole rows (the host truth's counts stand for the -1 columns;
+``checked_table`` widens the rows for the checks and messages that read any column). Whole rows instead when packing
+would not halve them (a row ends in a block), for a full batch whose last request
+absorbs the pad (its cut puts ``D`` past ``C``) and for a pass no fixed stage fits.
+A begin: 2 device data ops (one H2D, one ``_foreach_copy_`` that also writes the -1
+columns from the device block of -1; an int64 table fills them, 3); a commit pass 3.
+Neither compares rows with the device's: a packed begin leaves ``_reuse_table``
+without reusable rows, and a packed pass reuses none.
 """
 
 from __future__ import annotations
@@ -49,12 +68,14 @@ class CountedStaging:
         # [R] int32: W for every row (no counts) or the counts of the last begin.
         self._full_counts = np.full(max_requests, width, dtype=np.int32)
         self._counts = np.zeros(max_requests, dtype=np.int32)
+        self._commit_used = np.zeros(max_requests + 1, dtype=np.int32)  # derived, [R + 1]
         self.host_block_counts = self._full_counts
         self._dummy_rows: Optional[torch.Tensor] = None  # [R * W] int32 of D, lazily
         # Per begin slot: the width C its packed rows were last written at, how many
         # leading rows are known, and each known row's count (D from it to C).
         slots = self._begin_ring.num_slots
-        self._packed_columns = [0] * slots
+        self._packed_columns = [(0, 0)] * slots  # (C, fill) per slot
+        self.host_counts_derived = False  # host_block_counts derived (_begin_derived)
         self._packed_rows = [0] * slots
         self._packed_widths = [np.zeros(max_requests, dtype=np.int32) for _ in range(slots)]
 
@@ -63,20 +84,8 @@ class CountedStaging:
         """The begin with counts (offsets already checked); module docstring."""
         width = self._width
         columns = column_bucket(int(_min_max(block_counts, count)[1]), width)
-        ring = self._begin_ring
-        slot = ring.acquire()
-        head_np, table_np = self._begin_arrays[slot]
-        packed = table_np.reshape(-1)[:count * columns].reshape(count, columns)
-        known = self._packed_rows[slot] if self._packed_columns[slot] == columns else 0
-        native.draft_state.stage_counted_inputs(
-            start_positions, table_src, block_counts, count, self.block_size, self.dummy,
-            width, head_np[1:], packed, self._packed_widths[slot], known, self._counts)
-        self._packed_columns[slot] = columns
-        self._packed_rows[slot] = max(known, count)
-        captured.stage_count(head_np, count)
-        self.host_offsets[:count] = head_np[1:count + 1]
-        self.host_block_table = packed  # the host truth: the staged slot's [n, C] rows
-        self.host_block_counts = self._counts
+        slot = self._stage_packed(count, start_positions, table_src, block_counts,
+                                  columns, self.dummy)
         head_t, table_t = self._begin_tensors[slot]
         buffers = self.buffers
         self._prefix("draft_head", buffers.draft_head, 0, count + 1).copy_(
@@ -91,8 +100,98 @@ class CountedStaging:
                 rows[:, columns:].fill_(self.dummy)
             else:
                 rows.copy_(landing.view(count, columns))
-        ring.release(slot)
+        self._begin_ring.release(slot)
         self._device_table_rows = 0  # _reuse_table holds packed rows, not [R, W] ones
+
+    def _stage_packed(self, count: int, start_positions: np.ndarray,
+                      table_src: np.ndarray, block_counts: np.ndarray, columns: int,
+                      fill: int) -> int:
+        """Take a begin slot and stage the head and the packed ``[n, C]`` rows (``fill``
+        from each row's count to ``C``) there; they become the draft loop's host truth.
+        Returns the slot (released by the caller once its copies are issued)."""
+        slot = self._begin_ring.acquire()
+        head_np, table_np = self._begin_arrays[slot]
+        packed = table_np.reshape(-1)[:count * columns].reshape(count, columns)
+        shape = (columns, fill)  # a slot's rows are known only at the same C and fill
+        known = self._packed_rows[slot] if self._packed_columns[slot] == shape else 0
+        native.draft_state.stage_counted_inputs(
+            start_positions, table_src, block_counts, count, self.block_size, fill,
+            self._width, head_np[1:], packed, self._packed_widths[slot], known,
+            self._counts)
+        self._packed_columns[slot] = shape
+        self._packed_rows[slot] = max(known, count)
+        captured.stage_count(head_np, count)
+        self.host_offsets[:count] = head_np[1:count + 1]
+        self.host_block_table = packed  # the host truth: the staged slot's [n, C] rows
+        self.host_block_counts = self._counts
+        return slot
+
+    def _begin_derived(self, count: int, start_positions: np.ndarray,
+                       table_src: np.ndarray) -> bool:
+        """The default begin of a wide table, packed (module docstring, "Derived
+        counts"); False, with nothing staged, when packing would not halve the rows."""
+        width = self._width
+        used = self._counts
+        columns = column_bucket(int(native.draft_state.used_columns(table_src, count,
+                                                                    used)), width)
+        if 2 * columns > width:
+            return False
+        slot = self._stage_packed(count, start_positions, table_src, used, columns, -1)
+        end = self._begin_table_at + count * columns * self._reuse_table.element_size()
+        self._begin_landing[:end].copy_(self._begin_ring.slots[slot][:end],
+                                        non_blocking=True)
+        dsts, srcs, tail = self._slices.get_or_build(
+            ("derived_place", count, columns), lambda: self._derived_pairs(count, columns))
+        torch._foreach_copy_(dsts, srcs, non_blocking=True)
+        if tail is not None:
+            tail.fill_(-1)
+        self._begin_ring.release(slot)
+        self._device_table_rows = 0  # _reuse_table holds packed rows, not [R, W] ones
+        self.host_counts_derived = True
+        return True
+
+    def _derived_pairs(self, count: int, columns: int):
+        """``(dsts, srcs, tail)`` of a derived begin: ``draft_head[:n + 1]`` and
+        ``block_table[:n, :C]`` from the landing, as int32 words, and the columns
+        ``[C, W)`` from the device block of -1 (an int32 table), else ``tail``, the
+        rows' ``[:n, C:]`` for one fill of -1."""
+        dsts = [self.buffers.draft_head[:count + 1]]
+        srcs = [self._landing_head[:count + 1]]
+        tail = None
+        if count:
+            scale = self._table_words.shape[1] // self._width
+            words = self._reuse_words.reshape(-1)[:count * columns * scale].view(
+                count, columns * scale)
+            rows = self._table_words[:count]
+            dsts.append(rows[:, :columns * scale])
+            srcs.append(words)
+            rest = (self._width - columns) * scale
+            if scale == 1:
+                dsts.append(rows[:, columns:])
+                srcs.append(self._minus_one[:count * rest].view(count, rest))
+            else:
+                tail = self.buffers.block_table[:count, columns:]
+        return dsts, srcs, tail
+
+    def checked_table(self, count: int) -> np.ndarray:
+        """The draft loop's table rows ``[:count]`` as the caller gave them, ``[n, W]``,
+        for the checks and messages that read any column: the host truth itself, or,
+        after a derived begin, its packed rows widened with -1 (built on demand: a
+        refusal or a narrower view's scan, which reads ``[n, W]`` anyway)."""
+        table = self.host_block_table
+        if not self.host_counts_derived or table.shape[1] == self._width:
+            return table
+        full = np.full((count, self._width), -1, dtype=table.dtype)
+        full[:, :table.shape[1]] = table[:count]
+        return full
+
+    @property
+    def caller_counts(self) -> Optional[np.ndarray]:
+        """The block counts the caller passed to the last begin (None without):
+        refusals name them; derived counts are the library's own."""
+        if self.host_counts_derived or self.host_block_counts is self._full_counts:
+            return None
+        return self.host_block_counts
 
     def _packed_refusal(self, count: int, status: int) -> int:
         """A depth's refusal ``status`` (``decode_step_maps``'s, offsets already in
@@ -127,21 +226,58 @@ class CountedStaging:
             self._flush(target, slot, layout, padded_tokens, result[0], result[2],
                         "query", result[1], 0, reused=True)
             return result
+        columns = column_bucket(int(_min_max(block_counts, counts.shape[0])[1]),
+                                target.width)
+        return self._commit_packed(stage, target, counts, starts, table, inherited,
+                                   block_counts, columns, self.dummy, padded_tokens,
+                                   pad_tokens, min_padded_requests, padded_requests)
+
+    def _commit_derived(self, target: ViewTarget, counts: np.ndarray,
+                        starts: Optional[np.ndarray], table: np.ndarray,
+                        inherited: Optional[np.ndarray], padded_tokens: int,
+                        pad_tokens: int, min_padded_requests: int, padded_requests: int
+                        ) -> Optional[Tuple[int, int, int, int]]:
+        """The default commit pass of a wide table, packed (module docstring, "Derived
+        counts"); None, with nothing staged, when no fixed stage fits, when a full
+        batch's last request absorbs the pad (its cut puts ``D`` past ``C``), or when
+        packing would not halve the rows."""
+        stage = self._commit_stage(target)
         num_prefill = counts.shape[0]
-        width = target.width
-        columns = column_bucket(int(_min_max(block_counts, num_prefill)[1]), width)
+        if stage is None or padded_tokens > stage.cap or \
+                padded_requests > stage.requests or \
+                (pad_tokens > 0 and num_prefill >= self.max_requests):
+            return None
+        used = self._commit_used
+        columns = column_bucket(int(native.draft_state.used_columns(table, num_prefill,
+                                                                    used)), target.width)
+        if 2 * columns > target.width:
+            return None
+        return self._commit_packed(stage, target, counts, starts, table, inherited, used,
+                                   columns, -1, padded_tokens, pad_tokens,
+                                   min_padded_requests, padded_requests)
+
+    def _commit_packed(self, stage, target: ViewTarget, counts: np.ndarray,
+                       starts: Optional[np.ndarray], table: np.ndarray,
+                       inherited: Optional[np.ndarray], block_counts: np.ndarray,
+                       columns: int, fill: int, padded_tokens: int, pad_tokens: int,
+                       min_padded_requests: int, padded_requests: int
+                       ) -> Tuple[int, int, int, int]:
+        """A commit pass on the fixed ``stage`` whose rows ship packed at ``columns``
+        columns, ``fill`` past ``block_counts``; whole rows of ``fill`` (of ``D`` for the
+        pad request) and -1 (the pad rows) complete them on the device."""
         ring = self._forward_ring
         slot = ring.acquire()
         token_args, request_args = stage.args(slot)
         packed = request_args[4].reshape(-1)[:padded_requests * columns].reshape(
             padded_requests, columns)
-        # The slot's packed rows are known when this stage, at this C, wrote them last.
-        mark = stage.packed_mark(columns)
+        # The slot's packed rows are known when this stage, at this C and fill, wrote
+        # them last.
+        mark = stage.packed_mark(columns, fill)
         known_rows = stage.known_rows[slot] if ring.last_mark == mark else 0
         result = self._commit_kernel(counts, starts, table, inherited, block_counts,
                                      padded_tokens, pad_tokens, min_padded_requests,
                                      target, token_args, request_args[:4] + (packed,),
-                                     stage.known[slot], known_rows)
+                                     stage.known[slot], known_rows, fill)
         ring.marks[slot] = mark  # refused or not, the kernel wrote by the bookkeeping
         stage.known_rows[slot] = max(known_rows, padded_requests) if result[0] >= 0 \
             else known_rows
@@ -149,19 +285,29 @@ class CountedStaging:
             ring.release(slot)
             return result
         total, staged, padded_requests, _ = result
+        num_prefill = counts.shape[0]
+        wholes = []
+        if columns < target.width:
+            if fill == self.dummy:
+                wholes.append((self._dummy_block(), 0, staged))
+            else:
+                wholes.append((self._minus_one, 0, min(num_prefill, staged)))
+                if staged > num_prefill:
+                    wholes.append((self._dummy_block(), num_prefill, staged))
+        wholes.append((self._minus_one, staged, padded_requests))
         stage.flush_counted(slot, padded_tokens, total, padded_requests, staged, columns,
-                            self._dummy_block(), self._minus_one)
-        self._forward_ring.release(slot)
+                            wholes)
+        ring.release(slot)
         return result
 
     def _commit_kernel(self, counts, starts, table, inherited, block_counts,
                        padded_tokens, pad_tokens, min_padded_requests, target, token_args,
-                       request_args, known, known_rows):
+                       request_args, known, known_rows, fill=None):
         return counted_commit(
             counts, starts, table, inherited, block_counts, padded_tokens, pad_tokens,
             self.max_requests, min_padded_requests, self.block_size, self.dummy,
             self.buffers.block_table.shape[1], target.token_block_range[1],
-            self._scratch_q, token_args, request_args, known, known_rows)
+            self._scratch_q, token_args, request_args, known, known_rows, fill)
 
     def _dummy_block(self) -> torch.Tensor:
         """``[R * W]`` int32 of ``D`` on the device, the source of a counted commit's

@@ -438,23 +438,20 @@ class CommitStage(_FixedStage):
                                       device_rows, staged_count), extra)
 
     def flush_counted(self, slot: int, tokens: int, real_tokens: int, requests: int,
-                      staged_count: int, columns: int, dummy_block: Tensor,
-                      minus_one: Tensor) -> None:
-        """Ship and place a commit pass with block counts (``mirror_counts``): the
-        shadow's table region holds the packed ``[staged_count, columns]`` rows; whole
-        rows ``[:staged_count]`` of ``D`` (skipped when ``columns`` is the width) and
-        ``[staged_count:requests]`` of -1 join the grouped copy, then one strided copy
-        lays the packed rows over ``[:staged_count, :columns]``. The caller records
-        the slot's fence after."""
+                      staged_count: int, columns: int,
+                      wholes: List[Tuple[Tensor, int, int]]) -> None:
+        """Ship and place a commit pass with packed rows (``mirror_counts``): the
+        shadow's table region holds the packed ``[staged_count, columns]`` rows;
+        ``wholes``, ``(device block of one value, start, stop)`` row ranges (the
+        caller's: its fill past the counts, the pad rows' -1), join the grouped copy
+        as whole rows, then one strided copy lays the packed rows over
+        ``[:staged_count, :columns]``. The caller records the slot's fence after."""
         last = len(self.layout.names) - 1
         width = self.layout.shapes[last][1]
         shipped = self._ship(slot, 0, packed_bytes=staged_count * columns
                              * self.layout.dtypes[last].itemsize)
-        extra = []
-        if columns < width and staged_count:
-            extra.append(self._whole(dummy_block, 0, staged_count, width))
-        if requests > staged_count:
-            extra.append(self._whole(minus_one, staged_count, requests, width))
+        extra = [self._whole(block, start, stop, width) for block, start, stop in wholes
+                 if stop > start]
         self._place_lengths(shipped, (tokens, real_tokens, requests, requests + 1, 0,
                                       staged_count), extra)
         if staged_count:
@@ -470,10 +467,10 @@ class CommitStage(_FixedStage):
     def _extra_groups(self) -> List[int]:
         return [self._rows_group] + self._counted_groups
 
-    def packed_mark(self, columns: int) -> tuple:
+    def packed_mark(self, columns: int, fill: int) -> tuple:
         """The ring mark of a slot whose table region (from ``_end_base`` on) holds
-        this stage's packed rows at ``columns`` columns."""
-        return (self._end_base, self, columns)
+        this stage's packed rows at ``columns`` columns, ``fill`` past their counts."""
+        return (self._end_base, self, columns, fill)
 
     def _whole(self, block: Tensor, start: int, stop: int,
                width: int) -> Tuple[Tensor, Tensor, int]:
