@@ -344,3 +344,13 @@ def matching_rows(block_table: np.ndarray, truth: np.ndarray, count: int) -> int
                               truth[i].astype(np.int64)):
             return i
     return count
+
+
+def used_columns(table_src: np.ndarray, count: int, counts_out: np.ndarray) -> int:
+    """Per row, 1 + the last column that is not -1 (0 for a row of -1 only)."""
+    largest = 0
+    for i in range(count):
+        real = np.flatnonzero(table_src[i] != -1)
+        counts_out[i] = int(real[-1]) + 1 if real.size else 0
+        largest = max(largest, int(counts_out[i]))
+    return largest

@@ -540,6 +540,27 @@ def test_matching_rows_matches_naive(rng):
     assert full and partial
 
 
+def test_used_columns_matches_naive(rng):
+    """A wide default-route call ships each row only up to this count and -1 past it:
+    a count one short drops a real block (a wrong block read), and one that misses a
+    block after a -1 hole, or in the last column, does too."""
+    holes = last = 0
+    for _ in range(4 * CASES):
+        num_rows, width, _ = geometry(rng)
+        table = np.full((num_rows, width), -1, INDEX_DTYPES[int(rng.integers(2))])
+        for i in range(num_rows):
+            used = int(rng.integers(0, width + 1))
+            table[i, :used] = rng.integers(-1, 500, size=used)  # -1 holes inside
+        count = int(rng.integers(0, num_rows + 1))
+        want_out, got_out = np.zeros(num_rows, np.int32), np.zeros(num_rows, np.int32)
+        want = naive.used_columns(table, count, want_out)
+        assert native.draft_state.used_columns(table, count, got_out) == want
+        assert np.array_equal(got_out[:count], want_out[:count])
+        holes += bool(count) and bool((table[:count] == -1).any())
+        last += bool(count) and int(want_out[:count].max()) == width
+    assert holes and last
+
+
 # ------------------------------------------------------------------- docstring examples
 def kernel_functions(module) -> Iterator[Tuple[str, object]]:
     """``(qualified name, Python function)`` of each kernel defined in ``module``; the
