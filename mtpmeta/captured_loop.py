@@ -102,8 +102,7 @@ class CapturedLoop:
         loop = self._loop_ids
         if loop is not None and (view_low > loop[0] or view_high < loop[1]):
             ids = (max(loop[0], view_low), min(loop[1], view_high))
-            check_rows_fit(self._backend.checked_table(self.active_request_count),
-                           self.active_request_count, ids,
+            check_rows_fit(self._backend.host_block_table, self.active_request_count, ids,
                            "block_table (the draft loop's, from begin_decode)",
                            "gpu_view's token_to_block_idx / mha_block_table",
                            _range_name(ids))

@@ -82,16 +82,6 @@ class DirectBackend:
         captured.stage_count(self._draft_count, count)  # a numpy write
         return True
 
-    def checked_table(self, count: int) -> np.ndarray:
-        """The draft loop's table rows as begin_decode staged them (``[R, W]``)."""
-        return self.host_block_table
-
-    @property
-    def caller_counts(self) -> Optional[np.ndarray]:
-        """The block counts the last begin was given (None without)."""
-        counts = self.host_block_counts
-        return None if counts is self._full_counts else counts
-
     def begin_decode_for_capture(self, count: int) -> None:
         native.draft_state.fill_capture_state(self.host_offsets, self._block_table, count,
                                           self.dummy)

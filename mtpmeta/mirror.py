@@ -47,8 +47,9 @@ to ``BEGIN_ROWS``, so its views are per slot and bucket), so no write into the p
 buffers (in place, ``.data``, DLPack, a graph replay, under ``torch.inference_mode``)
 can reach a row a commit places. A step whose commit pass follows its draft loop on one
 table ships that table once, not twice (``_rows_on_device``; ``reused_table_rows``
-counts the rows so placed). A wide table (``DERIVED_MIN_ENTRIES``) instead ships packed
-rows and reuses none (``mirror_counts``, "Derived counts").
+counts the rows so placed). On a wide table (``DERIVED_MIN_ENTRIES``) a begin writes its
+slot's rows by their used columns and a commit pass ships packed rows, reusing none
+(``mirror_counts``, "Derived counts").
 
 The forward staging (the ring, the shadows and fixed stages, their cost and growth)
 is ``ForwardStaging`` in ``mirror_staging.py``, a mixin of ``MirrorBackend``.
@@ -80,8 +81,9 @@ __all__ = ["MirrorBackend", "BEGIN_ROWS", "DERIVED_MIN_ENTRIES"]
 
 #: A host-route begin ships its table rows rounded up to this many (module docstring).
 BEGIN_ROWS = 8
-#: A default begin of at least this many table entries (n * W) ships only each row's
-#: columns before its trailing -1 run (``CountedStaging._begin_derived``).
+#: A default begin or commit pass of at least this many table entries (n W, P W) writes
+#: only each row's columns before its trailing -1 run (``mirror_counts``, "Derived
+#: counts").
 DERIVED_MIN_ENTRIES = 1 << 16
 
 
@@ -156,8 +158,7 @@ class MirrorBackend(ForwardStaging, CountedStaging):
         self.device_route = DeviceRoute(buffers, block_size=block_size, dummy=dummy,
                                         runtime=runtime, minus_one=self._minus_one)
         # Per-count views of the persistent buffers and begin slots: keys are a name (a
-        # slot's at most), a count <= R + 1 and, for a packed begin, one of its few
-        # column buckets, so this bound is never reached.
+        # slot's at most) and a count <= R + 1, so this bound is never reached.
         self._slices = BoundedCache(64 * (max_requests + 2))
         # Every n's begin pair and advance prefix now: a draft loop of a new n builds
         # neither.
@@ -211,27 +212,32 @@ class MirrorBackend(ForwardStaging, CountedStaging):
                                                    self._width):
             return False  # checked before a slot is taken: nothing written
         self.host_offsets_known = True
-        self.host_counts_derived = False
+        self.begin_derived = False
         if block_counts is not None:
             self._begin_counted(count, start_positions, table_src, block_counts)
             return True
         if count * self._width >= DERIVED_MIN_ENTRIES and \
                 self._begin_derived(count, start_positions, table_src):
             return True
-        self.host_block_counts = self._full_counts
-        ring = self._begin_ring
-        slot = ring.acquire()
+        slot = self._begin_ring.acquire()
         head_np, table_np = self._begin_arrays[slot]
         native.draft_state.copy_decode_inputs(start_positions, table_src, count,
                                           self.block_size, head_np[1:], table_np)
         self._packed_rows[slot] = 0  # the slot's packed rows (mirror_counts): rewritten
+        return self._staged_begin(slot, count, head_np, table_np)
+
+    def _staged_begin(self, slot: int, count: int, head_np: np.ndarray,
+                      table_np: np.ndarray) -> bool:
+        """Finish a default begin whose head and whole table rows ``[:n]`` are staged
+        in ``slot``: they become the host truth and ship (``_ship_begin``)."""
+        self.host_block_counts = self._full_counts
         # The device count too, in the same copy: a graph captured with capture_setup
         # (contract §12) replayed after this begin masks rows [n, padded) as pad rows.
         captured.stage_count(head_np, count)
         self.host_offsets[:count] = head_np[1:count + 1]
         self.host_block_table = table_np  # the host truth is the staged slot itself
         self._ship_begin(slot, count)
-        ring.release(slot)
+        self._begin_ring.release(slot)
         self._device_table_rows = count
         return True
 
@@ -277,7 +283,7 @@ class MirrorBackend(ForwardStaging, CountedStaging):
         self.refuse_capture("begin_decode")
         self.device_route.begin_decode(count, start_positions, table_src, padded)
         self.host_offsets_known = False
-        self.host_counts_derived = False
+        self.begin_derived = False
         self.host_block_counts = self._full_counts
         self._device_table_rows = 0  # the host never saw this table: nothing to reuse
 
@@ -288,7 +294,7 @@ class MirrorBackend(ForwardStaging, CountedStaging):
                                           self.dummy)
         self.host_block_counts = self._full_counts
         self.host_offsets_known = True
-        self.host_counts_derived = False
+        self.begin_derived = False
         self._prefix("offsets", self.buffers.offsets, 0, count).zero_()
         self._prefix("block_table", self.buffers.block_table, 0, count).fill_(self.dummy)
         self.buffers.draft_count.fill_(count)  # every row real for the device too

@@ -28,21 +28,24 @@ built per call, a few µs), so no per-shape state grows.
 Derived counts (the default route, no counts passed): a begin or commit pass whose
 table has at least ``mirror.DERIVED_MIN_ENTRIES`` entries (``n * W``, ``P * W``) takes
 each row's count from the table itself, the columns before its trailing run of -1
-(``native.draft_state.used_columns``: one read of the rows, at read bandwidth), and
-goes the counted way with -1, not ``D``, past the counts: the packed rows hold -1 up
-to ``C`` and the device rows get -1 past it (a commit's pad request still gets ``D``).
-So the device table and the view are the caller's bit for bit, but the host writes
-only each row's used columns (and those a slot's last rows held past them) and ships
-``[n, C]`` rows instead of ``[n, W]`` (on the production trace: about 54 of 2048
-columns written per row, ``C`` 512), and a depth or token that writes a -1 column is
-refused as on whole rows (the host truth's counts stand for the -1 columns;
-``checked_table`` widens the rows for the checks and messages that read any column). Whole rows instead when packing
-would not halve them (a row ends in a block), for a full batch whose last request
-absorbs the pad (its cut puts ``D`` past ``C``) and for a pass no fixed stage fits.
-A begin: 2 device data ops (one H2D, one ``_foreach_copy_`` that also writes the -1
-columns from the device block of -1; an int64 table fills them, 3); a commit pass 3.
-Neither compares rows with the device's: a packed begin leaves ``_reuse_table``
-without reusable rows, and a packed pass reuses none.
+(``native.draft_state.used_columns``: one read of the rows, at read bandwidth), so the
+host writes only those columns, not whole rows; the device table and the view stay the
+caller's bit for bit.
+
+* begin: the slot's whole ``[n, W]`` rows are the host truth and ship as a plain
+  begin's (2 device data ops, the commit's row reuse intact), but they are written by
+  ``stage_counted_inputs`` with -1 as the fill: each row's used columns, and -1 only
+  over the columns this slot's last rows used past them (a slot known at ``(W, -1)``;
+  any other write of the slot forgets it). So the columns past the blocks are read,
+  never written, once the slots are warm; the H2D copy still moves whole rows.
+* commit: the counted pass with -1, not ``D``, past the counts: packed ``[m, C]``
+  rows, whole rows of -1 from the device block of -1 (of ``D`` for the pad request),
+  3 data ops; no row is reused from the device. A token that writes a -1 column is
+  refused as on whole rows (the pass's checks read the caller's table).
+
+Whole rows instead when the rows use more than half the width (nothing to save), and
+for a commit pass, for a full batch whose last request absorbs the pad (its cut puts
+``D`` past ``C``) and for a pass no fixed stage fits.
 """
 
 from __future__ import annotations
@@ -71,12 +74,16 @@ class CountedStaging:
         self._commit_used = np.zeros(max_requests + 1, dtype=np.int32)  # derived, [R + 1]
         self.host_block_counts = self._full_counts
         self._dummy_rows: Optional[torch.Tensor] = None  # [R * W] int32 of D, lazily
-        # Per begin slot: the width C its packed rows were last written at, how many
-        # leading rows are known, and each known row's count (D from it to C).
+        # Per begin slot: the (C, fill) its packed rows were last written at, how many
+        # leading rows are known, and each known row's count (fill from it to C).
+        # Every slot starts as whole rows of -1 (each row's count 0), so the first
+        # derived begin in a slot writes only its rows' used columns, as later ones do.
         slots = self._begin_ring.num_slots
-        self._packed_columns = [(0, 0)] * slots  # (C, fill) per slot
-        self.host_counts_derived = False  # host_block_counts derived (_begin_derived)
-        self._packed_rows = [0] * slots
+        for _, table_np in self._begin_arrays:
+            table_np.fill(-1)
+        self._packed_columns = [(width, -1)] * slots  # (C, fill) per slot
+        self.begin_derived = False  # the last begin wrote its slot's rows by used columns
+        self._packed_rows = [max_requests] * slots
         self._packed_widths = [np.zeros(max_requests, dtype=np.int32) for _ in range(slots)]
 
     def _begin_counted(self, count: int, start_positions: np.ndarray,
@@ -128,70 +135,25 @@ class CountedStaging:
 
     def _begin_derived(self, count: int, start_positions: np.ndarray,
                        table_src: np.ndarray) -> bool:
-        """The default begin of a wide table, packed (module docstring, "Derived
-        counts"); False, with nothing staged, when packing would not halve the rows."""
-        width = self._width
+        """The default begin of a wide table (module docstring, "Derived counts"):
+        the slot's whole rows, written over each row's used columns and the columns the
+        slot's last rows used past them only; False, with nothing staged, when the rows
+        use more than half the width (a plain copy is then the cheaper write)."""
         used = self._counts
-        columns = column_bucket(int(native.draft_state.used_columns(table_src, count,
-                                                                    used)), width)
-        if 2 * columns > width:
+        if 2 * native.draft_state.used_columns(table_src, count, used) > self._width:
             return False
-        slot = self._stage_packed(count, start_positions, table_src, used, columns, -1)
-        end = self._begin_table_at + count * columns * self._reuse_table.element_size()
-        self._begin_landing[:end].copy_(self._begin_ring.slots[slot][:end],
-                                        non_blocking=True)
-        dsts, srcs, tail = self._slices.get_or_build(
-            ("derived_place", count, columns), lambda: self._derived_pairs(count, columns))
-        torch._foreach_copy_(dsts, srcs, non_blocking=True)
-        if tail is not None:
-            tail.fill_(-1)
-        self._begin_ring.release(slot)
-        self._device_table_rows = 0  # _reuse_table holds packed rows, not [R, W] ones
-        self.host_counts_derived = True
-        return True
-
-    def _derived_pairs(self, count: int, columns: int):
-        """``(dsts, srcs, tail)`` of a derived begin: ``draft_head[:n + 1]`` and
-        ``block_table[:n, :C]`` from the landing, as int32 words, and the columns
-        ``[C, W)`` from the device block of -1 (an int32 table), else ``tail``, the
-        rows' ``[:n, C:]`` for one fill of -1."""
-        dsts = [self.buffers.draft_head[:count + 1]]
-        srcs = [self._landing_head[:count + 1]]
-        tail = None
-        if count:
-            scale = self._table_words.shape[1] // self._width
-            words = self._reuse_words.reshape(-1)[:count * columns * scale].view(
-                count, columns * scale)
-            rows = self._table_words[:count]
-            dsts.append(rows[:, :columns * scale])
-            srcs.append(words)
-            rest = (self._width - columns) * scale
-            if scale == 1:
-                dsts.append(rows[:, columns:])
-                srcs.append(self._minus_one[:count * rest].view(count, rest))
-            else:
-                tail = self.buffers.block_table[:count, columns:]
-        return dsts, srcs, tail
-
-    def checked_table(self, count: int) -> np.ndarray:
-        """The draft loop's table rows ``[:count]`` as the caller gave them, ``[n, W]``,
-        for the checks and messages that read any column: the host truth itself, or,
-        after a derived begin, its packed rows widened with -1 (built on demand: a
-        refusal or a narrower view's scan, which reads ``[n, W]`` anyway)."""
-        table = self.host_block_table
-        if not self.host_counts_derived or table.shape[1] == self._width:
-            return table
-        full = np.full((count, self._width), -1, dtype=table.dtype)
-        full[:, :table.shape[1]] = table[:count]
-        return full
-
-    @property
-    def caller_counts(self) -> Optional[np.ndarray]:
-        """The block counts the caller passed to the last begin (None without):
-        refusals name them; derived counts are the library's own."""
-        if self.host_counts_derived or self.host_block_counts is self._full_counts:
-            return None
-        return self.host_block_counts
+        ring = self._begin_ring
+        slot = ring.acquire()
+        head_np, table_np = self._begin_arrays[slot]
+        shape = (self._width, -1)  # whole rows, -1 past the counts
+        known = self._packed_rows[slot] if self._packed_columns[slot] == shape else 0
+        native.draft_state.stage_counted_inputs(
+            start_positions, table_src, used, count, self.block_size, -1, self._width,
+            head_np[1:], table_np, self._packed_widths[slot], known, used)
+        self._packed_columns[slot] = shape
+        self._packed_rows[slot] = max(known, count)
+        self.begin_derived = True
+        return self._staged_begin(slot, count, head_np, table_np)
 
     def _packed_refusal(self, count: int, status: int) -> int:
         """A depth's refusal ``status`` (``decode_step_maps``'s, offsets already in

@@ -1,16 +1,17 @@
-"""The mirror path's packed default calls (issue 24 item 5; ``CountedStaging.
-_begin_derived`` / ``_commit_derived``): a begin or commit pass without block counts
-whose table has at least ``DERIVED_MIN_ENTRIES`` entries ships each row only up to its
-trailing run of -1.
+"""The mirror path's default calls on wide tables (issue 24 item 5; ``mirror_counts``,
+"Derived counts"): a begin or commit pass without block counts whose table has at
+least ``DERIVED_MIN_ENTRIES`` entries writes each row only up to its trailing run of -1.
 
-They read the whole table once (``native.draft_state.used_columns``) but write and
-ship only ``C = column_bucket(largest used, W)`` columns per row; the device rows get
--1 past ``C`` (and ``D`` for a commit's pad request, -1 for its pad rows). The contract
-is unchanged: the view, the ForwardShape and every buffer equal the reference's on the
-raw table after every depth and pass, and a depth or pass that writes a -1 block
-(inside a row, past its used columns, or past ``C``) is refused with the very message
-of a whole-row call, nothing changed. The oracle tests force the route on small tables
-(``DERIVED_MIN_ENTRIES = 0``) and compare refusals with a whole-row object.
+Both read the whole table once (``native.draft_state.used_columns``). A begin then
+writes its slot's whole rows by their used columns (-1 only over the columns the
+slot's last rows used past them) and ships them as a plain begin; a commit pass ships
+packed ``[m, C]`` rows and the device rows get -1 past ``C`` (``D`` for the pad
+request). The contract is unchanged: the view, the ForwardShape and every buffer equal
+the reference's on the raw table after every depth and pass, and a depth or pass that
+writes a -1 block is refused with the very message of a whole-row call, nothing
+changed. The oracle tests force the route on small tables (``DERIVED_MIN_ENTRIES =
+0``), with two staging slots so a slot's known rows are reused within a few calls, and
+compare refusals with a whole-row object.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import mtpmeta.mirror
 from mtpmeta import ContextGPUView, MTPMetadata
 from mtpmeta.bench.opcount import OpCounter
 from mtpmeta.reference import ReferenceGPUView, ReferenceMTPMetadata
+from tests import naive
 from tests.test_block_counts import step_inputs
 from tests.helpers import (assert_buffers_equal, assert_same_state, assert_views_equal,
                            buffer_state, config, view_state)
@@ -86,9 +88,9 @@ def test_packed_begins_equal_the_reference_on_the_raw_table(dtype, seed, steps,
             monkeypatch.setattr(mtpmeta.mirror, "DERIVED_MIN_ENTRIES", threshold)
             obj.begin_decode(n, padded, t(starts), t(table), False)
         ref.begin_decode(n, padded, t(starts), t(table), False)
-        # W 40: rows use <= 12 columns (C <= 16 <= W / 2) unless one ends in a block.
-        assert meta._backend.host_counts_derived == (
-            width == 40 and (n == 0 or table[:n, -1].max() == -1))
+        used = np.zeros(R, np.int32)  # packed when the rows use at most half the width
+        assert meta._backend.begin_derived == (
+            2 * naive.used_columns(table, n, used) <= width)
         for _ in range(3):
             try:
                 whole.setup_decode_step(whole_view)
@@ -143,7 +145,7 @@ def test_a_depth_on_a_minus_one_column_is_refused_as_on_whole_rows(column, row,
         starts = np.zeros(R, np.int32)
         starts[row] = column * BS
         meta.begin_decode(3, 4, starts, table, False)
-        assert meta._backend.host_counts_derived == (threshold == 0)
+        assert meta._backend.begin_derived == (threshold == 0)
         before, view_before = buffer_state(meta), view_state(view)
         with pytest.raises(ValueError) as error:
             meta.setup_decode_step(view)
@@ -157,10 +159,11 @@ def test_a_depth_on_a_minus_one_column_is_refused_as_on_whole_rows(column, row,
 @pytest.mark.skipif(os.environ.get("MTPMETA_DEBUG") == "1",
                     reason="MTPMETA_DEBUG=1: the checks issue ops of their own")
 def test_wide_calls_pack_at_the_default_threshold_within_their_op_budgets():
-    """R 64, W 2048 (n W >= DERIVED_MIN_ENTRIES): the host truth is the packed
-    ``[n, 8]`` rows, the device rows equal the caller's (-1 past them); the begin
-    costs 2 device data ops, as a whole-row one, a commit pass 3 (one more: the whole
-    rows of -1), within its budget of 4; no read-back and no new storage."""
+    """R 64, W 2048 (n W >= DERIVED_MIN_ENTRIES): the begin's host truth is its slot's
+    whole rows, equal to the caller's, and so are the device rows; once the slots are
+    warm a begin writes only the columns its rows use or used; it costs 2 device data
+    ops, as a whole-row one, a commit pass 3 (one more: the whole rows of -1), within
+    its budget of 4; no read-back and no new storage."""
     rows, width = 64, 2048
     kwargs = config(max_requests=rows, max_kv_block_count=width, block_size_tokens=BS)
     meta = MTPMetadata(**kwargs)
@@ -181,8 +184,9 @@ def test_wide_calls_pack_at_the_default_threshold_within_their_op_budgets():
         if round_:
             assert counter.data_ops == 2, counter.ops
             assert counter.scalar_reads == 0 and counter.new_storages == 0, counter.ops
-        assert meta._backend.host_counts_derived
-        assert meta._backend.host_block_table.shape == (n, 8)
+        backend = meta._backend
+        assert backend.begin_derived
+        assert np.array_equal(backend.host_block_table[:n], table[:n])
         assert np.array_equal(meta.block_table[:n].numpy(), table[:n])
         meta.end_forward()
         spans = np.ones(n, np.int32)
@@ -199,7 +203,7 @@ def test_wide_calls_pack_at_the_default_threshold_within_their_op_budgets():
         assert meta._backend.reused_table_rows == 0  # packed: no row compared or reused
     table[0, width - 1] = 5  # a row with no -1 tail: whole rows
     meta.begin_decode(n, n, starts, table, False)
-    assert not meta._backend.host_counts_derived
+    assert not meta._backend.begin_derived
     assert np.array_equal(meta.block_table[:n].numpy(), table[:n])
 
 
@@ -269,7 +273,7 @@ def test_counted_and_packed_calls_never_take_each_others_slot_rows(monkeypatch):
     for counted in (True, True, False, False):  # slots 0, 1, then 0, 1 again
         extra = {"block_counts": counts} if counted else {}
         meta.begin_decode(n, n, starts, table, False, **extra)
-        assert meta._backend.host_counts_derived != counted
+        assert meta._backend.begin_derived != counted
         expected = table[:n].copy()
         if counted:
             expected[:, 2:] = meta.dummy_block_idx
