@@ -16,11 +16,10 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
-
 from mtpmeta.bench.trace import PRODUCTION_TRACE, make_trace  # noqa: E402
 from mtpmeta.bench.trace_replay import Replay  # noqa: E402
 from mtpmeta.bench.variants import state_of  # noqa: E402
+from tests.gpu.test_cuda_launches import _device_activity  # noqa: E402
 
 CUDA = torch.device("cuda")
 STEPS = 8
@@ -44,15 +43,6 @@ def test_production_trace_steps_match_the_reference_on_cuda():
         for key, value in state_of(ours.meta, ours.view).items():
             assert torch.equal(value, expected[key].to(value.dtype)), (index, key)
     assert packed == STEPS
-
-
-def _launches(fn) -> int:
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum(1 for event in prof.events()
-               if event.device_type == torch.autograd.DeviceType.CUDA)
 
 
 def _calls(replay: Replay, index: int, step):
@@ -94,7 +84,7 @@ def test_packed_calls_launch_within_budget_and_never_sync():
     assert ours.meta._backend.begin_derived
     ours.meta.end_forward()
     commit, begin = _calls(ours, 4, trace[4])
-    launches = (_launches(commit), _launches(begin))
+    launches = (_device_activity(commit), _device_activity(begin))
     if launches == (0, 0):
         pytest.skip("the profiler recorded no CUDA activity (CUPTI not permitted?)")
     assert 0 < launches[0] <= 4 and 0 < launches[1] <= 3, launches
