@@ -92,7 +92,7 @@ class CountedStaging:
         width = self._width
         columns = column_bucket(int(_min_max(block_counts, count)[1]), width)
         slot = self._stage_packed(count, start_positions, table_src, block_counts,
-                                  columns, self.dummy)
+                                  columns)
         head_t, table_t = self._begin_tensors[slot]
         buffers = self.buffers
         self._prefix("draft_head", buffers.draft_head, 0, count + 1).copy_(
@@ -111,27 +111,37 @@ class CountedStaging:
         self._device_table_rows = 0  # _reuse_table holds packed rows, not [R, W] ones
 
     def _stage_packed(self, count: int, start_positions: np.ndarray,
-                      table_src: np.ndarray, block_counts: np.ndarray, columns: int,
-                      fill: int) -> int:
-        """Take a begin slot and stage the head and the packed ``[n, C]`` rows (``fill``
+                      table_src: np.ndarray, block_counts: np.ndarray,
+                      columns: int) -> int:
+        """Take a begin slot and stage the head and the packed ``[n, C]`` rows (``D``
         from each row's count to ``C``) there; they become the draft loop's host truth.
         Returns the slot (released by the caller once its copies are issued)."""
         slot = self._begin_ring.acquire()
         head_np, table_np = self._begin_arrays[slot]
         packed = table_np.reshape(-1)[:count * columns].reshape(count, columns)
-        shape = (columns, fill)  # a slot's rows are known only at the same C and fill
-        known = self._packed_rows[slot] if self._packed_columns[slot] == shape else 0
-        native.draft_state.stage_counted_inputs(
-            start_positions, table_src, block_counts, count, self.block_size, fill,
-            self._width, head_np[1:], packed, self._packed_widths[slot], known,
-            self._counts)
-        self._packed_columns[slot] = shape
-        self._packed_rows[slot] = max(known, count)
+        self._write_slot_rows(slot, packed, self.dummy, count, start_positions,
+                              table_src, block_counts)
         captured.stage_count(head_np, count)
         self.host_offsets[:count] = head_np[1:count + 1]
         self.host_block_table = packed  # the host truth: the staged slot's [n, C] rows
         self.host_block_counts = self._counts
         return slot
+
+    def _write_slot_rows(self, slot: int, rows: np.ndarray, fill: int, count: int,
+                         start_positions: np.ndarray, table_src: np.ndarray,
+                         block_counts: np.ndarray) -> None:
+        """Write begin ``slot``'s head and ``rows`` (``[n, C]`` of its table region)
+        with ``stage_counted_inputs``: each row's used columns, ``fill`` after them,
+        and only where the slot's last rows may differ when they were written at the
+        same ``(C, fill)``; ``self._counts`` takes the counts."""
+        shape = (rows.shape[1], fill)  # a slot's rows are known only at the same C, fill
+        known = self._packed_rows[slot] if self._packed_columns[slot] == shape else 0
+        native.draft_state.stage_counted_inputs(
+            start_positions, table_src, block_counts, count, self.block_size, fill,
+            self._width, self._begin_arrays[slot][0][1:], rows, self._packed_widths[slot],
+            known, self._counts)
+        self._packed_columns[slot] = shape
+        self._packed_rows[slot] = max(known, count)
 
     def _begin_derived(self, count: int, start_positions: np.ndarray,
                        table_src: np.ndarray) -> bool:
@@ -142,16 +152,9 @@ class CountedStaging:
         used = self._counts
         if 2 * native.draft_state.used_columns(table_src, count, used) > self._width:
             return False
-        ring = self._begin_ring
-        slot = ring.acquire()
+        slot = self._begin_ring.acquire()
         head_np, table_np = self._begin_arrays[slot]
-        shape = (self._width, -1)  # whole rows, -1 past the counts
-        known = self._packed_rows[slot] if self._packed_columns[slot] == shape else 0
-        native.draft_state.stage_counted_inputs(
-            start_positions, table_src, used, count, self.block_size, -1, self._width,
-            head_np[1:], table_np, self._packed_widths[slot], known, used)
-        self._packed_columns[slot] = shape
-        self._packed_rows[slot] = max(known, count)
+        self._write_slot_rows(slot, table_np, -1, count, start_positions, table_src, used)
         self.begin_derived = True
         return self._staged_begin(slot, count, head_np, table_np)
 
