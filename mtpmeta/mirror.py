@@ -47,8 +47,8 @@ to ``BEGIN_ROWS``, so its views are per slot and bucket), so no write into the p
 buffers (in place, ``.data``, DLPack, a graph replay, under ``torch.inference_mode``)
 can reach a row a commit places. A step whose commit pass follows its draft loop on one
 table ships that table once, not twice (``_rows_on_device``; ``reused_table_rows``
-counts the rows so placed). On a wide table (``DERIVED_MIN_ENTRIES``) a begin writes its
-slot's rows by their used columns and a commit pass ships packed rows, reusing none
+counts the rows so placed). On a wide table (``mirror_counts.derives``) a begin writes
+its slot's rows by their used columns and a commit pass ships packed rows, reusing none
 (``mirror_counts``, "Derived counts").
 
 The forward staging (the ring, the shadows and fixed stages, their cost and growth)
@@ -69,7 +69,7 @@ from .errors import GraphCaptureError
 from .gpu_view import ViewTarget
 from .inputs import kernel_optional
 from .layout import PackedLayout, numpy_dtype
-from .mirror_counts import CountedStaging
+from .mirror_counts import CountedStaging, derives
 from .mirror_device import DeviceRoute
 from .mirror_staging import _ALIGN, ForwardStaging
 from .placement import word_view
@@ -77,14 +77,10 @@ from .runtime import DeviceRuntime, StreamOrder, get_runtime
 from .cache import BoundedCache
 from .staging import StagingRing
 
-__all__ = ["MirrorBackend", "BEGIN_ROWS", "DERIVED_MIN_ENTRIES"]
+__all__ = ["MirrorBackend", "BEGIN_ROWS"]
 
 #: A host-route begin ships its table rows rounded up to this many (module docstring).
 BEGIN_ROWS = 8
-#: A default begin or commit pass of at least this many table entries (n W, P W) writes
-#: only each row's columns before its trailing -1 run (``mirror_counts``, "Derived
-#: counts").
-DERIVED_MIN_ENTRIES = 1 << 16
 
 
 class MirrorBackend(ForwardStaging, CountedStaging):
@@ -216,9 +212,8 @@ class MirrorBackend(ForwardStaging, CountedStaging):
         if block_counts is not None:
             self._begin_counted(count, start_positions, table_src, block_counts)
             return True
-        if count * self._width >= DERIVED_MIN_ENTRIES and \
-                self._begin_derived(count, start_positions, table_src):
-            return True
+        if derives(count * self._width, self._width):
+            return self._begin_derived(count, start_positions, table_src)
         slot = self._begin_ring.acquire()
         head_np, table_np = self._begin_arrays[slot]
         native.draft_state.copy_decode_inputs(start_positions, table_src, count,
@@ -383,7 +378,7 @@ class MirrorBackend(ForwardStaging, CountedStaging):
             return self._commit_counted(target, counts, starts, table, inherited,
                                         block_counts, padded_tokens, pad_tokens,
                                         min_padded_requests, padded_requests)
-        if counts.shape[0] * self._width >= DERIVED_MIN_ENTRIES:
+        if derives(counts.shape[0] * self._width, self._width):
             result = self._commit_derived(target, counts, starts, table, inherited,
                                           padded_tokens, pad_tokens, min_padded_requests,
                                           padded_requests)

@@ -26,7 +26,8 @@ built per call, a few µs), so no per-shape state grows.
   counts) through the per-shape shadow.
 
 Derived counts (the default route, no counts passed): a begin or commit pass whose
-table has at least ``mirror.DERIVED_MIN_ENTRIES`` entries (``n * W``, ``P * W``) takes
+table has at least ``DERIVED_MIN_ENTRIES`` entries (``n * W``, ``P * W``) and at
+least ``DERIVED_MIN_WIDTH`` columns (``derives``) takes
 each row's count from the table itself, the columns before its trailing run of -1
 (``native.draft_state.used_columns``: one read of the rows, at read bandwidth), so the
 host writes only those columns, not whole rows; the device table and the view stay the
@@ -43,9 +44,10 @@ caller's bit for bit.
   3 data ops; no row is reused from the device. A token that writes a -1 column is
   refused as on whole rows (the pass's checks read the caller's table).
 
-Whole rows instead when the rows use more than half the width (nothing to save), and
-for a commit pass, for a full batch whose last request absorbs the pad (its cut puts
-``D`` past ``C``) and for a pass no fixed stage fits.
+Rows that use most of the width are written the same way (``C`` may reach ``W``):
+their read is done, and no write exceeds a copy's. A commit pass takes the whole-row
+route instead, before any read, for a full batch whose last request absorbs the pad
+(its cut puts ``D`` past ``C``) and for a pass no fixed stage fits.
 """
 
 from __future__ import annotations
@@ -59,9 +61,21 @@ from . import captured, native
 from .block_counts import column_bucket, counted_commit
 from .gpu_view import ViewTarget
 
-__all__ = ["CountedStaging"]
+__all__ = ["CountedStaging", "DERIVED_MIN_ENTRIES", "DERIVED_MIN_WIDTH", "derives"]
 
 _min_max = native.checks.min_max
+
+#: A default begin or commit pass of at least this many table entries (n W, P W) on a
+#: table of at least this many columns takes the derived counts (module docstring;
+#: measured in BENCHMARKS.md: below either, the whole-row route is as fast or faster).
+DERIVED_MIN_ENTRIES = 1 << 16
+DERIVED_MIN_WIDTH = 256
+
+
+def derives(entries: int, width: int) -> bool:
+    """Whether a default call over ``entries`` table entries of ``width`` columns takes
+    the derived counts (the two thresholds above, read at each call)."""
+    return entries >= DERIVED_MIN_ENTRIES and width >= DERIVED_MIN_WIDTH
 
 
 class CountedStaging:
@@ -147,11 +161,10 @@ class CountedStaging:
                        table_src: np.ndarray) -> bool:
         """The default begin of a wide table (module docstring, "Derived counts"):
         the slot's whole rows, written over each row's used columns and the columns the
-        slot's last rows used past them only; False, with nothing staged, when the rows
-        use more than half the width (a plain copy is then the cheaper write)."""
+        slot's last rows used past them only (never more than a copy writes, however
+        many columns the rows use: the read is done)."""
         used = self._counts
-        if 2 * native.draft_state.used_columns(table_src, count, used) > self._width:
-            return False
+        native.draft_state.used_columns(table_src, count, used)
         slot = self._begin_ring.acquire()
         head_np, table_np = self._begin_arrays[slot]
         self._write_slot_rows(slot, table_np, -1, count, start_positions, table_src, used)
@@ -203,9 +216,10 @@ class CountedStaging:
                         pad_tokens: int, min_padded_requests: int, padded_requests: int
                         ) -> Optional[Tuple[int, int, int, int]]:
         """The default commit pass of a wide table, packed (module docstring, "Derived
-        counts"); None, with nothing staged, when no fixed stage fits, when a full
-        batch's last request absorbs the pad (its cut puts ``D`` past ``C``), or when
-        packing would not halve the rows."""
+        counts"), at ``C`` up to ``W`` (rows that use most of the width then cross whole,
+        the table still read once); None, with nothing staged, when no fixed stage fits
+        or when a full batch's last request absorbs the pad (its cut puts ``D`` past
+        ``C``)."""
         stage = self._commit_stage(target)
         num_prefill = counts.shape[0]
         if stage is None or padded_tokens > stage.cap or \
@@ -215,8 +229,6 @@ class CountedStaging:
         used = self._commit_used
         columns = column_bucket(int(native.draft_state.used_columns(table, num_prefill,
                                                                     used)), target.width)
-        if 2 * columns > target.width:
-            return None
         return self._commit_packed(stage, target, counts, starts, table, inherited, used,
                                    columns, -1, padded_tokens, pad_tokens,
                                    min_padded_requests, padded_requests)

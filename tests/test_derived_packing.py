@@ -1,6 +1,7 @@
 """The mirror path's default calls on wide tables (issue 24 item 5; ``mirror_counts``,
 "Derived counts"): a begin or commit pass without block counts whose table has at
-least ``DERIVED_MIN_ENTRIES`` entries writes each row only up to its trailing run of -1.
+least ``DERIVED_MIN_ENTRIES`` entries and ``DERIVED_MIN_WIDTH`` columns
+(``mirror_counts.derives``) writes each row only up to its trailing run of -1.
 
 Both read the whole table once (``native.draft_state.used_columns``). A begin then
 writes its slot's whole rows by their used columns (-1 only over the columns the
@@ -9,9 +10,10 @@ packed ``[m, C]`` rows and the device rows get -1 past ``C`` (``D`` for the pad
 request). The contract is unchanged: the view, the ForwardShape and every buffer equal
 the reference's on the raw table after every depth and pass, and a depth or pass that
 writes a -1 block is refused with the very message of a whole-row call, nothing
-changed. The oracle tests force the route on small tables (``DERIVED_MIN_ENTRIES =
-0``), with two staging slots so a slot's known rows are reused within a few calls, and
-compare refusals with a whole-row object.
+changed. The oracle tests force the route on small tables (both thresholds 0,
+``_route``), with two staging slots so a slot's known rows are reused within a few
+calls, and compare refusals with a whole-row object. Rows without a -1 tail take the
+route too (``C = W``): their read is done, so nothing falls back to a second read.
 """
 
 from __future__ import annotations
@@ -24,16 +26,21 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import mtpmeta.mirror
+import mtpmeta.mirror_counts
 from mtpmeta import ContextGPUView, MTPMetadata
 from mtpmeta.bench.opcount import OpCounter
 from mtpmeta.reference import ReferenceGPUView, ReferenceMTPMetadata
-from tests import naive
 from tests.test_block_counts import step_inputs
 from tests.helpers import (assert_buffers_equal, assert_same_state, assert_views_equal,
                            buffer_state, config, view_state)
 
 R, BS, TOKENS = 8, 4, 64
+
+
+def _route(monkeypatch, derived: bool) -> None:
+    """Force the derived route on (both thresholds 0) or off, for the next calls."""
+    for name in ("DERIVED_MIN_ENTRIES", "DERIVED_MIN_WIDTH"):
+        monkeypatch.setattr(mtpmeta.mirror_counts, name, 0 if derived else 1 << 30)
 
 
 def _pair(width: int, dtype: torch.dtype):
@@ -50,7 +57,7 @@ def _pair(width: int, dtype: torch.dtype):
 
 def _table(rng: np.random.Generator, width: int, used: np.ndarray) -> np.ndarray:
     """Real blocks before ``used[i]``, -1 after; some -1 holes inside; now and then a
-    row whose last column is real (no -1 tail: the whole-row fallback)."""
+    row whose last column is real (no -1 tail: every column used)."""
     table = rng.permutation(R * width).reshape(R, width).astype(np.int32)
     for i in range(R):
         table[i, int(used[i]):] = -1
@@ -67,7 +74,7 @@ def _table(rng: np.random.Generator, width: int, used: np.ndarray) -> np.ndarray
 @given(seed=st.integers(0, 2**32 - 1), steps=st.integers(1, 5))
 def test_packed_begins_equal_the_reference_on_the_raw_table(dtype, seed, steps,
                                                            monkeypatch):
-    """Begins (packed or, for a row without a -1 tail, whole), depths, advances and
+    """Begins (by used columns, all of them for a row without a -1 tail), depths, advances and
     commit passes on the begin's table: the view, the ForwardShape and every buffer
     equal the reference's after each call; where a whole-row begin's depth is refused
     (a -1 block written), the packed one is refused with the same message, nothing
@@ -84,13 +91,11 @@ def test_packed_begins_equal_the_reference_on_the_raw_table(dtype, seed, steps,
         table = _table(rng, width, used)
         starts = (rng.integers(0, np.maximum(used, 1) * BS) - rng.integers(0, 3, size=R))
         starts = np.maximum(starts, 0).astype(np.int32)
-        for obj, threshold in ((meta, 0), (whole, 1 << 30)):
-            monkeypatch.setattr(mtpmeta.mirror, "DERIVED_MIN_ENTRIES", threshold)
+        for obj, derived in ((meta, True), (whole, False)):
+            _route(monkeypatch, derived)
             obj.begin_decode(n, padded, t(starts), t(table), False)
         ref.begin_decode(n, padded, t(starts), t(table), False)
-        used = np.zeros(R, np.int32)  # packed when the rows use at most half the width
-        assert meta._backend.begin_derived == (
-            2 * naive.used_columns(table, n, used) <= width)
+        assert meta._backend.begin_derived and not whole._backend.begin_derived
         for _ in range(3):
             try:
                 whole.setup_decode_step(whole_view)
@@ -139,13 +144,13 @@ def test_a_depth_on_a_minus_one_column_is_refused_as_on_whole_rows(column, row,
     past its used columns, past the C = 8 shipped ones): the packed begin refuses it
     with the message of a whole-row begin, naming the same row, nothing changed."""
     messages = []
-    for threshold in (0, 1 << 30):  # packed, then whole rows
-        monkeypatch.setattr(mtpmeta.mirror, "DERIVED_MIN_ENTRIES", threshold)
+    for derived in (True, False):  # packed, then whole rows
+        _route(monkeypatch, derived)
         meta, view, table = _wide()
         starts = np.zeros(R, np.int32)
         starts[row] = column * BS
         meta.begin_decode(3, 4, starts, table, False)
-        assert meta._backend.begin_derived == (threshold == 0)
+        assert meta._backend.begin_derived == derived
         before, view_before = buffer_state(meta), view_state(view)
         with pytest.raises(ValueError) as error:
             meta.setup_decode_step(view)
@@ -176,7 +181,7 @@ def test_wide_calls_pack_at_the_default_threshold_within_their_op_budgets():
     table[:, :5] = np.arange(rows * 5, dtype=np.int32).reshape(rows, 5)
     starts = np.zeros(rows, np.int32)
     n = 40
-    assert n * width >= mtpmeta.mirror.DERIVED_MIN_ENTRIES
+    assert mtpmeta.mirror_counts.derives(n * width, width)
     for round_ in range(3):
         table[:, 5] = -1 if round_ % 2 else 3  # the bucket stays 8 columns
         with OpCounter() as counter:
@@ -201,9 +206,37 @@ def test_wide_calls_pack_at_the_default_threshold_within_their_op_budgets():
         meta.end_forward()
         ref.end_forward()
         assert meta._backend.reused_table_rows == 0  # packed: no row compared or reused
-    table[0, width - 1] = 5  # a row with no -1 tail: whole rows
-    meta.begin_decode(n, n, starts, table, False)
-    assert not meta._backend.begin_derived
+    table[0, width - 1] = 5  # a row with no -1 tail: all its columns, read once
+    with OpCounter() as counter:
+        meta.begin_decode(n, n, starts, table, False)
+    assert counter.data_ops == 2, counter.ops
+    assert meta._backend.begin_derived
+    assert np.array_equal(meta.block_table[:n].numpy(), table[:n])
+    meta.end_forward()
+    with OpCounter() as counter:  # packed at C = W, still 3 ops, nothing reused
+        meta.setup_commit_pass(view, spans, table, start_positions=starts[:n])
+    assert counter.data_ops == 3, counter.ops
+    ref.setup_commit_pass(ref_view, torch.from_numpy(spans), torch.from_numpy(table),
+                          start_positions=torch.from_numpy(starts[:n]))
+    assert_views_equal(view, ref_view)
+    assert meta._backend.reused_table_rows == 0
+
+
+@pytest.mark.parametrize("rows, width, derived", [(600, 128, False), (300, 256, True)],
+                         ids=["narrow", "wide"])
+def test_the_default_route_needs_both_thresholds(rows, width, derived):
+    """``n W >= DERIVED_MIN_ENTRIES`` on a table narrower than ``DERIVED_MIN_WIDTH``
+    takes whole rows (measured as fast there); at the width it takes the used columns."""
+    kwargs = config(max_requests=rows, max_kv_block_count=width, block_size_tokens=BS)
+    meta = MTPMetadata(**kwargs)
+    meta.allocate("cpu", mirror=True, max_tokens=TOKENS)
+    n = rows - 40
+    assert n * width >= mtpmeta.mirror_counts.DERIVED_MIN_ENTRIES
+    assert (width >= mtpmeta.mirror_counts.DERIVED_MIN_WIDTH) == derived
+    table = np.full((rows, width), -1, np.int32)
+    table[:, :3] = np.arange(rows * 3, dtype=np.int32).reshape(rows, 3)
+    meta.begin_decode(n, n, np.zeros(rows, np.int32), table, False)
+    assert meta._backend.begin_derived == derived
     assert np.array_equal(meta.block_table[:n].numpy(), table[:n])
 
 
@@ -224,21 +257,21 @@ def test_packed_commit_passes_equal_the_reference_on_the_raw_table(width, seed, 
     for _ in range(passes):
         _, commit = step_inputs(rng, 1, width)
         spans, starts, table, _, inherited, padded_tokens, padded_requests = commit
-        if rng.random() < 0.2:  # a full batch with pad tokens: the whole-row fallback
+        if rng.random() < 0.2:  # a full batch with pad tokens: the whole-row route
             spans, starts = np.ones(R, np.int32), np.zeros(R, np.int32)
             inherited = np.zeros(R, np.int32)
             table[:, 0] = np.arange(R, dtype=np.int32)
             padded_tokens, padded_requests = R + 3, R
-        if rng.random() < 0.2:  # a block past the -1 tail: the whole-row fallback too
+        if rng.random() < 0.2:  # a row without a -1 tail: packed at C = W
             table[int(rng.integers(0, R)), width - 1] = 5
         kwargs = dict(start_positions=t(starts), inherited_blocks=t(inherited),
                       padded_token_count=padded_tokens,
                       padded_request_count=padded_requests)
-        monkeypatch.setattr(mtpmeta.mirror, "DERIVED_MIN_ENTRIES", 1 << 30)
+        _route(monkeypatch, False)
         try:
             whole.setup_commit_pass(whole_view, t(spans), t(table), **kwargs)
         except ValueError as error:
-            monkeypatch.setattr(mtpmeta.mirror, "DERIVED_MIN_ENTRIES", 0)
+            _route(monkeypatch, True)
             before, view_before = buffer_state(meta), view_state(view)
             with pytest.raises(ValueError) as ours:
                 meta.setup_commit_pass(view, t(spans), t(table), **kwargs)
@@ -247,7 +280,7 @@ def test_packed_commit_passes_equal_the_reference_on_the_raw_table(width, seed, 
             assert_same_state(view_before, view_state(view))
             continue
         whole.end_forward()
-        monkeypatch.setattr(mtpmeta.mirror, "DERIVED_MIN_ENTRIES", 0)
+        _route(monkeypatch, True)
         ours = meta.setup_commit_pass(view, t(spans), t(table), **kwargs)
         theirs = ref.setup_commit_pass(ref_view, t(spans), t(table), **kwargs)
         assert ours.max_seqlen_q == max(theirs.max_seqlen_q, 1)
@@ -262,7 +295,7 @@ def test_counted_and_packed_calls_never_take_each_others_slot_rows(monkeypatch):
     counts), then on the same slots packed ones at the same ``C`` (-1 past them): the
     slot's rows written under one fill are never taken as known under the other, so
     the device table and the view hold -1, not ``D``, past each row's blocks."""
-    monkeypatch.setattr(mtpmeta.mirror, "DERIVED_MIN_ENTRIES", 0)
+    _route(monkeypatch, True)
     width, n = 40, 6
     meta, view, ref, ref_view = _pair(width, torch.int32)
     table = np.full((R, width), -1, np.int32)
