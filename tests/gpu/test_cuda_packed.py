@@ -1,7 +1,7 @@
 """The default route on wide tables on CUDA (``mtpmeta/mirror_counts.py``, "Derived
-counts"): production-geometry tables (R 1024, W 2048) are read once and written by
-their used columns; a commit pass ships packed rows and the device rows get -1 past
-them. Skipped without CUDA.
+counts"): production-geometry tables (R 1024, W 2048, and W 512 where the rows use
+most of the width) are read once and written by their used columns; a commit pass ships
+packed rows and the device rows get -1 past them. Skipped without CUDA.
 
 Failure stories: the -1 columns past ``C`` left unwritten on the device (a stale block
 read by the next forward), a packed copy placed at the wrong row stride, a hidden sync
@@ -10,6 +10,8 @@ reference on CUDA, replaying the same trace steps.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -25,13 +27,16 @@ CUDA = torch.device("cuda")
 STEPS = 8
 
 
-def test_production_trace_steps_match_the_reference_on_cuda():
+@pytest.mark.parametrize("width", [2048, 512])
+def test_production_trace_steps_match_the_reference_on_cuda(width):
     """Every step of the production trace's first ``STEPS`` (engine order, draft depths
     eager): the view and the persistent buffers equal the reference's, and every
-    begin took the wide route."""
-    trace = make_trace(PRODUCTION_TRACE, STEPS)
-    ours = Replay("mirror", PRODUCTION_TRACE, CUDA)
-    ref = Replay("reference", PRODUCTION_TRACE, CUDA)
+    begin took the wide route. At W 2048 the commit passes pack at C = 1024; at W 512
+    their rows use most of the width and pack at C = W."""
+    config = dataclasses.replace(PRODUCTION_TRACE, block_columns=width)
+    trace = make_trace(config, STEPS)
+    ours = Replay("mirror", config, CUDA)
+    ref = Replay("reference", config, CUDA)
     packed = 0
     for index, step in enumerate(trace):
         for replay in (ours, ref):
