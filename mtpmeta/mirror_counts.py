@@ -4,8 +4,9 @@ a commit pass that read and ship only the used columns of their table.
 ``C = column_bucket(max count, W)`` (a power-of-two multiple of 8, capped at ``W``):
 the rows cross to the device as one contiguous ``[rows, C]`` block, so the host cost
 follows the blocks in use, not ``W``; the columns ``[C, W)`` of the device rows get the
-dummy block ``D`` on the device. Nothing is cached per ``(rows, C)`` (the slices are
-built per call, a few µs), so no per-shape state grows.
+dummy block ``D`` on the device. No state grows per shape: a begin slices per call
+(a few µs); a commit keeps its strided copy per ``(slot, C)`` (``C`` takes at most
+``log2(W / 8) + 1`` values) and ships a bucketed end (``CommitStage._packed_end``).
 
 * begin: the pinned begin slot's table region holds the packed ``[n, C]`` rows; one
   H2D copy lands them in the private ``_reuse_table``'s storage (as a flat scratch),

@@ -127,8 +127,10 @@ class _FixedStage:
         slots = ring.num_slots
         self._args: List[Optional[Tuple[Any, Any]]] = [None] * slots
         self._h2d: List[Dict[int, Tuple[Tensor, Tensor]]] = [{} for _ in range(slots)]
-        # Per slot, the roles and classes over its own device stage (flush_counted).
+        # Per slot, the roles and classes over its own device stage (flush_counted), and
+        # its packed H2D copies by bucketed end (``_packed_end``).
         self._slot_shipped: List[Optional[Tuple[list, list]]] = [None] * slots
+        self._packed_h2d: List[Dict[int, Tuple[Tensor, Tensor]]] = [{} for _ in range(slots)]
         fields = target.fields
         self._zone = self.layout.tensors(ring.zone)  # the staged fields in the zone
         self._zone_bytes = Prefixes(ring.zone, False, self._counter)  # H2D ends, shared
@@ -192,14 +194,18 @@ class _FixedStage:
               packed_bytes: Optional[int] = None) -> Tuple[list, List[PrefixGroup]]:
         """Issue the H2D copy of ``slot`` up to ``written`` elements (rows) of the last
         field into the zone, and return the zone's roles ``(destination, source,
-        group)`` and classes; or, with ``packed_bytes``, that many bytes of the last
-        field into the slot's own device stage (sliced per call, never cached), and the
-        slot's. The caller entered the backend's ``StreamOrder`` first (module
-        docstring)."""
+        group)`` and classes; or, with ``packed_bytes``, at least that many bytes of the
+        last field into the slot's own device stage (``_packed_end``: up to 1/8 more, of
+        the slot's own bytes, which nothing reads there), and the slot's roles. The caller
+        entered the backend's ``StreamOrder`` first (module docstring)."""
         if packed_bytes is not None:
-            end = self._end_base + packed_bytes
-            self.ring.device_slots[slot][:end].copy_(self.ring.slots[slot][:end],
-                                                    non_blocking=True)
+            end = self._packed_end(packed_bytes)
+            h2d = self._packed_h2d[slot].get(end)
+            if h2d is None:
+                h2d = (self.ring.device_slots[slot][:end], self.ring.slots[slot][:end])
+                self._packed_h2d[slot][end] = h2d
+                self._counter[0] += 1
+            h2d[0].copy_(h2d[1], non_blocking=True)
             shipped = self._slot_shipped[slot]
             if shipped is None:
                 shipped = PrefixGroup.classes(self._staged_roles(self.layout.tensors(
@@ -216,28 +222,25 @@ class _FixedStage:
         h2d[0].copy_(h2d[1], non_blocking=True)
         return self._zone_shipped
 
+    def _packed_end(self, packed_bytes: int) -> int:
+        """The end of a packed H2D copy of ``packed_bytes`` table bytes, rounded up to a
+        multiple of 1/16 of their power of two (about 8 ends per octave), in the layout."""
+        step = max(1 << max(packed_bytes.bit_length() - 4, 0), _ALIGN)
+        return min(self._end_base + -(-packed_bytes // step) * step, self.layout.nbytes)
+
     def _place(self, roles: List[Tuple[Prefixes, Prefixes, int]], counts: Tuple[int, ...],
                extra: List[Tuple[Tensor, Tensor, int]]) -> None:
         """Issue the copies: role ``i`` over ``[:counts[i]]`` (0: dropped), then the
         ``extra`` ``(destination, source, group)`` pairs, grouped as ``CopyPlan``."""
         groups: List[Tuple[List[Tensor], List[Tensor]]] = [
             ([], []) for _ in self._group_keys]
-        singles = []
+        singles, pairs = [], []
         for (dst_p, src_p, group), count in zip(roles, counts):
-            if not count:
-                continue
-            dst = dst_p.cache.get(count)
-            if dst is None:
-                dst = dst_p.build(count)
-            src = src_p.cache.get(count)
-            if src is None:
-                src = src_p.build(count)
-            if group < 0:
-                singles.append((dst, src))
-            else:
-                groups[group][0].append(dst)
-                groups[group][1].append(src)
-        for dst, src, group in extra:
+            if count:
+                dst, src = dst_p.cache.get(count), src_p.cache.get(count)
+                pairs.append((dst_p.build(count) if dst is None else dst,
+                              src_p.build(count) if src is None else src, group))
+        for dst, src, group in pairs + list(extra):
             if group < 0:
                 singles.append((dst, src))
             else:
@@ -381,7 +384,9 @@ class CommitStage(_FixedStage):
         self._rows_src = Prefixes(self._zone.mha_block_table, words, self._counter)
         self._table_field = table  # the view's mha_block_table [R, W]
         self._counted_groups: List[int] = []  # distinct groups of flush_counted rows
-        self._packed_src: List[Optional[Tensor]] = [None] * ring.num_slots
+        # (slot, C) -> (the view's mha_block_table[:, :C], the slot's staged table
+        # region as [rows, C]): a packed pass's strided copy, row prefixes of these.
+        self._packed_pairs: Dict[Tuple[int, int], Tuple[Tensor, Tensor]] = {}
         # A counted pass's packed rows per slot (mirror_counts): each row's count (the
         # columns from it on hold D) and how many leading rows that holds for, valid
         # while the ring's mark for the slot is packed_mark(C).
@@ -455,14 +460,16 @@ class CommitStage(_FixedStage):
         self._place_lengths(shipped, (tokens, real_tokens, requests, requests + 1, 0,
                                       staged_count), extra)
         if staged_count:
-            flat = self._packed_src[slot]
-            if flat is None:  # the slot's staged table region, flat: built once
+            pair = self._packed_pairs.get((slot, columns))
+            if pair is None:  # the view's first C columns, the slot's region as C-rows
                 flat = self.layout.tensors(self.ring.device_slots[slot]) \
                     .mha_block_table.view(-1)
-                self._packed_src[slot] = flat
+                rows = flat.shape[0] // columns
+                pair = (self._table_field[:, :columns],
+                        flat[:rows * columns].view(rows, columns))
+                self._packed_pairs[(slot, columns)] = pair
                 self._counter[0] += 1
-            source = flat[:staged_count * columns].view(staged_count, columns)
-            self._table_field[:staged_count, :columns].copy_(source, non_blocking=True)
+            pair[0][:staged_count].copy_(pair[1][:staged_count], non_blocking=True)
 
     def _extra_groups(self) -> List[int]:
         return [self._rows_group] + self._counted_groups

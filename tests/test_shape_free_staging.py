@@ -17,7 +17,7 @@ from mtpmeta.cache import BoundedCache
 from mtpmeta.layout import PackedLayout
 from mtpmeta.placement import CopyPlan
 from mtpmeta.prefixes import Prefixes
-from mtpmeta.shadow_stage import _FixedStage
+from mtpmeta.shadow_stage import CommitStage, _FixedStage
 
 from .helpers import (assert_buffers_equal, assert_views_equal, config, make_reference,
                       make_view)
@@ -387,3 +387,26 @@ def test_length_classes_must_hold_each_role_once():
     for members in (((0, 2),), ((0, 1), (1, 2))):
         with pytest.raises(ValueError, match="exactly one"):
             PrefixGroup.classes(roles, members, counter)
+
+
+def test_packed_ends_cover_the_bytes_in_few_buckets():
+    """A packed commit pass ships its table bytes to a bucketed end (the per-slot H2D
+    copies it caches): never short of the bytes, at most 1/8 (or one alignment) over,
+    within the layout, and about 8 distinct ends per doubling of the bytes."""
+    meta, _, view, _ = _mirror_and_reference(R, 40)
+    n, used = 4, np.full(R, 3, dtype=np.int32)
+    table = np.full((R, 40), -1, dtype=np.int32)
+    table[:, :3] = np.arange(3 * R, dtype=np.int32).reshape(R, 3)
+    meta.setup_commit_pass(view, np.ones(n, dtype=np.int32), table,
+                           start_positions=np.zeros(n, dtype=np.int32),
+                           padded_token_count=n, padded_request_count=n,
+                           block_counts=used)
+    meta.end_forward()
+    stage = next(s for s in meta._memo.target(view).plans.values()
+                 if isinstance(s, CommitStage))
+    base, total = stage._end_base, stage.layout.nbytes
+    ends = [stage._packed_end(size) for size in range(1, total - base + 1)]
+    for size, end in enumerate(ends, start=1):
+        assert base + size <= end <= total
+        assert end - base - size < max(size // 8, 8) or end == total, (size, end)
+    assert len(set(ends)) <= 8 * (total - base).bit_length() + 2
