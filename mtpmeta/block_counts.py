@@ -58,7 +58,8 @@ def refuse_device_table(name: str) -> None:
 def column_bucket(max_count: int, width: int) -> int:
     """The shipped width ``C`` for rows whose largest count is ``max_count``: the
     smallest ``MIN_BUCKET * 2**k >= max_count``, capped at ``width``. At most
-    ``log2(width / MIN_BUCKET) + 1`` distinct values, so no per-shape state grows."""
+    ``ceil(log2(width / MIN_BUCKET)) + 1`` distinct values (one if ``width <=
+    MIN_BUCKET``), so no per-shape state grows."""
     columns = MIN_BUCKET
     while columns < max_count:
         columns *= 2

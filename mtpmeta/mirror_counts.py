@@ -6,7 +6,7 @@ the rows cross to the device as one contiguous ``[rows, C]`` block, so the host 
 follows the blocks in use, not ``W``; the columns ``[C, W)`` of the device rows get the
 dummy block ``D`` on the device. No state grows per shape: a begin slices per call
 (a few µs); a commit keeps its strided copy per ``(slot, C)`` (``C`` takes at most
-``log2(W / 8) + 1`` values) and ships a bucketed end (``CommitStage._packed_end``).
+``ceil(log2(W / 8)) + 1`` values) and ships a bucketed end (``CommitStage._packed_end``).
 
 * begin: the pinned begin slot's table region holds the packed ``[n, C]`` rows; one
   H2D copy lands them in the private ``_reuse_table``'s storage (as a flat scratch),

@@ -126,11 +126,12 @@ class _FixedStage:
         self._counter = [1]  # the layout
         slots = ring.num_slots
         self._args: List[Optional[Tuple[Any, Any]]] = [None] * slots
-        self._h2d: List[Dict[int, Tuple[Tensor, Tensor]]] = [{} for _ in range(slots)]
-        # Per slot, the roles and classes over its own device stage (flush_counted), and
-        # its packed H2D copies by bucketed end (``_packed_end``).
+        # Per slot, its H2D copies by (end, packed): into the zone, or packed
+        # (``_packed_end``) into its own device stage.
+        self._h2d: List[Dict[Tuple[int, bool], Tuple[Tensor, Tensor]]] = [
+            {} for _ in range(slots)]
+        # Per slot, the roles and classes over its own device stage (flush_counted).
         self._slot_shipped: List[Optional[Tuple[list, list]]] = [None] * slots
-        self._packed_h2d: List[Dict[int, Tuple[Tensor, Tensor]]] = [{} for _ in range(slots)]
         fields = target.fields
         self._zone = self.layout.tensors(ring.zone)  # the staged fields in the zone
         self._zone_bytes = Prefixes(ring.zone, False, self._counter)  # H2D ends, shared
@@ -198,29 +199,25 @@ class _FixedStage:
         last field into the slot's own device stage (``_packed_end``: up to 1/8 more, of
         the slot's own bytes, which nothing reads there), and the slot's roles. The caller
         entered the backend's ``StreamOrder`` first (module docstring)."""
-        if packed_bytes is not None:
-            end = self._packed_end(packed_bytes)
-            h2d = self._packed_h2d[slot].get(end)
-            if h2d is None:
-                h2d = (self.ring.device_slots[slot][:end], self.ring.slots[slot][:end])
-                self._packed_h2d[slot][end] = h2d
-                self._counter[0] += 1
-            h2d[0].copy_(h2d[1], non_blocking=True)
-            shipped = self._slot_shipped[slot]
-            if shipped is None:
-                shipped = PrefixGroup.classes(self._staged_roles(self.layout.tensors(
-                    self.ring.device_slots[slot])), self._class_roles, self._counter)
-                self._slot_shipped[slot] = shipped
-                self._counter[0] += 1
-            return shipped
-        end = self._end_base + written * self._end_item
-        h2d = self._h2d[slot].get(end)
+        packed = packed_bytes is not None
+        end = self._packed_end(packed_bytes) if packed else \
+            self._end_base + written * self._end_item
+        h2d = self._h2d[slot].get((end, packed))
         if h2d is None:
-            h2d = (self._zone_bytes.prefix(end), self.ring.slots[slot][:end])
-            self._h2d[slot][end] = h2d
+            h2d = (self.ring.device_slots[slot][:end] if packed else
+                   self._zone_bytes.prefix(end), self.ring.slots[slot][:end])
+            self._h2d[slot][(end, packed)] = h2d
             self._counter[0] += 1
         h2d[0].copy_(h2d[1], non_blocking=True)
-        return self._zone_shipped
+        if not packed:
+            return self._zone_shipped
+        shipped = self._slot_shipped[slot]
+        if shipped is None:
+            shipped = PrefixGroup.classes(self._staged_roles(self.layout.tensors(
+                self.ring.device_slots[slot])), self._class_roles, self._counter)
+            self._slot_shipped[slot] = shipped
+            self._counter[0] += 1
+        return shipped
 
     def _packed_end(self, packed_bytes: int) -> int:
         """The end of a packed H2D copy of ``packed_bytes`` table bytes, rounded up to a
