@@ -2,8 +2,9 @@
 chunk carry, the allocation it swaps in and out, and the guards its methods open with.
 
 ``MetadataState`` is the base of ``MTPMetadata`` (``mtpmeta.metadata``), which sets the
-attributes in its constructor and holds every public method; nothing here validates
-caller input (that is ``mtpmeta.checks``).
+attributes in its constructor and holds the public methods (the draft loop's and the
+view writers' in its mixins ``mtpmeta.draft_loop`` and ``mtpmeta.writers``); nothing
+here validates caller input (that is ``mtpmeta.checks``).
 """
 
 from __future__ import annotations
