@@ -4,9 +4,10 @@ a commit pass that read and ship only the used columns of their table.
 ``C = column_bucket(max count, W)`` (a power-of-two multiple of 8, capped at ``W``):
 the rows cross to the device as one contiguous ``[rows, C]`` block, so the host cost
 follows the blocks in use, not ``W``; the columns ``[C, W)`` of the device rows get the
-dummy block ``D`` on the device. No state grows per shape: a begin slices per call
-(a few µs); a commit keeps its strided copy per ``(slot, C)`` (``C`` takes at most
-``ceil(log2(W / 8)) + 1`` values) and ships a bucketed end (``CommitStage._packed_end``).
+dummy block ``D`` on the device. No state grows per shape: a begin keeps its views
+per ``(slot, C)`` (``_packed_views``) and a commit its strided copy (``C`` takes at
+most ``ceil(log2(W / 8)) + 1`` values), each taking its first rows per call, and a
+commit ships a bucketed end (``CommitStage._packed_end``).
 
 * begin: the pinned begin slot's table region holds the packed ``[n, C]`` rows; one
   H2D copy lands them in the private ``_reuse_table``'s storage (as a flat scratch),
@@ -89,6 +90,7 @@ class CountedStaging:
         self._commit_used = np.zeros(max_requests + 1, dtype=np.int32)  # derived, [R + 1]
         self.host_block_counts = self._full_counts
         self._dummy_rows: Optional[torch.Tensor] = None  # [R * W] int32 of D, lazily
+        self._packed_view_cache: dict = {}  # (begin slot, C) -> _packed_views
         # Per begin slot: the (C, fill) its packed rows were last written at, how many
         # leading rows are known, and each known row's count (fill from it to C).
         # Every slot starts as whole rows of -1 (each row's count 0), so the first
@@ -108,22 +110,36 @@ class CountedStaging:
         columns = column_bucket(int(_min_max(block_counts, count)[1]), width)
         slot = self._stage_packed(count, start_positions, table_src, block_counts,
                                   columns)
-        head_t, table_t = self._begin_tensors[slot]
-        buffers = self.buffers
-        self._prefix("draft_head", buffers.draft_head, 0, count + 1).copy_(
+        head_t = self._begin_tensors[slot][0]
+        self._prefix("draft_head", self.buffers.draft_head, 0, count + 1).copy_(
             self._prefix(("begin_head", slot), head_t, 0, count + 1), non_blocking=True)
         if count:
-            used = count * columns
-            landing = self._reuse_table.view(-1)[:used]
-            landing.copy_(table_t.view(-1)[:used], non_blocking=True)
-            rows = self._prefix("block_table", buffers.block_table, 0, count)
-            if columns < width:
-                rows[:, :columns].copy_(landing.view(count, columns))
-                rows[:, columns:].fill_(self.dummy)
-            else:
-                rows.copy_(landing.view(count, columns))
+            staged, landing, used, past = self._packed_views(slot, columns)
+            landing = landing[:count]
+            landing.copy_(staged[:count], non_blocking=True)
+            used[:count].copy_(landing)
+            if past is not None:
+                past[:count].fill_(self.dummy)
         self._begin_ring.release(slot)
         self._device_table_rows = 0  # _reuse_table holds packed rows, not [R, W] ones
+
+    def _packed_views(self, slot: int, columns: int) -> tuple:
+        """``[R, C]`` views of a counted begin at ``C = columns``: begin ``slot``'s
+        pinned table region and the ``_reuse_table`` landing, both as contiguous
+        ``C``-rows, and ``block_table[:, :C]`` and ``[:, C:]`` (None when ``C`` is
+        ``W``); the caller takes their first ``n`` rows. Built once per ``(slot, C)``
+        (at most ``slots * (ceil(log2(W / 8)) + 1)`` entries, whatever the shapes)."""
+        key = (slot, columns)
+        views = self._packed_view_cache.get(key)
+        if views is None:
+            rows, width = self.buffers.block_table.shape
+            entries = rows * columns
+            table = self.buffers.block_table
+            views = self._packed_view_cache[key] = (
+                self._begin_tensors[slot][1].view(-1)[:entries].view(rows, columns),
+                self._reuse_table.view(-1)[:entries].view(rows, columns),
+                table[:, :columns], table[:, columns:] if columns < width else None)
+        return views
 
     def _stage_packed(self, count: int, start_positions: np.ndarray,
                       table_src: np.ndarray, block_counts: np.ndarray,
