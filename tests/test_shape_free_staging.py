@@ -144,6 +144,7 @@ def test_counted_calls_stop_building_after_warm_up(monkeypatch):
     builds = Builds(monkeypatch, (target.plans, meta._backend._slices))
     rng = np.random.default_rng(1)
     counts_seen = []
+    begin_views = []  # the counted begin's (slot, C) views, after each phase
     for steps in (500, 200):
         before = builds.count + builds.stages(target)
         for _ in range(steps):
@@ -174,10 +175,17 @@ def test_counted_calls_stop_building_after_warm_up(monkeypatch):
                                     padded_request_count=padded_requests, **extra)
                 o.end_forward()
         counts_seen.append(builds.count + builds.stages(target) - before)
+        begin_views.append(set(meta._backend._packed_view_cache))
         assert_views_equal(view, ref_view)
         assert_buffers_equal(meta, ref)
     assert counts_seen[0] > 0
     assert counts_seen[1] == 0, counts_seen
+    # The begin's views are kept per (slot, C) only: none is added after the warm-up,
+    # and no more than the slots times the C values (8 and 16 here) exist.
+    slots = meta._backend._begin_ring.num_slots
+    assert begin_views[0] and begin_views[1] == begin_views[0], begin_views
+    assert {c for _, c in begin_views[0]} <= {8, 16}
+    assert len(begin_views[0]) <= 2 * slots
 
 
 def test_a_length_seen_in_one_slot_is_warm_in_every_slot(monkeypatch):
