@@ -114,12 +114,12 @@ class CountedStaging:
         self._prefix("draft_head", self.buffers.draft_head, 0, count + 1).copy_(
             self._prefix(("begin_head", slot), head_t, 0, count + 1), non_blocking=True)
         if count:
-            staged, landing, used, past = self._packed_views(slot, columns)
+            staged, landing, first_columns, past_columns = self._packed_views(slot, columns)
             landing = landing[:count]
             landing.copy_(staged[:count], non_blocking=True)
-            used[:count].copy_(landing)
-            if past is not None:
-                past[:count].fill_(self.dummy)
+            first_columns[:count].copy_(landing)
+            if past_columns is not None:
+                past_columns[:count].fill_(self.dummy)
         self._begin_ring.release(slot)
         self._device_table_rows = 0  # _reuse_table holds packed rows, not [R, W] ones
 
