@@ -48,10 +48,13 @@ class PersistentBuffers:
     draft_head: Optional[torch.Tensor] = None  # [R + 1] int32: draft_count, offsets
     # Flat int32 device block of the device-input route's depth plan (mtpmeta.device_loop):
     # [R + 1] cumulative-query scratch, then draft_head, then the rest of
-    # [3, PLANNED_DEPTHS + 1, R + 1] rows whose row [0, 0] is draft_head. So one op
+    # [2, PLANNED_DEPTHS + 1, R + 1] rows whose row [0, 0] is draft_head. So one op
     # writes draft_count with the cumulative query lengths, and one writes offsets
     # with the planned positions.
     draft_plan: Optional[torch.Tensor] = None
+    # [2, R] int32, device: query_lengths and kv_lengths as its rows (one row scan
+    # gives both cumulative sums).
+    lengths: Optional[torch.Tensor] = None
 
     @classmethod
     def allocate(cls, *, max_requests: int, max_kv_block_count: int, dummy_block_idx: int,
@@ -66,7 +69,7 @@ class PersistentBuffers:
         # rows of a prefix is one strided op.
         lengths = torch.zeros((2, max_requests), dtype=torch.int32, device=device)
         row = max_requests + 1
-        plan = torch.zeros(row * (1 + 3 * (PLANNED_DEPTHS + 1)), dtype=torch.int32,
+        plan = torch.zeros(row * (1 + 2 * (PLANNED_DEPTHS + 1)), dtype=torch.int32,
                            device=device)
         head = plan[row:2 * row]
         return cls(
@@ -84,4 +87,5 @@ class PersistentBuffers:
             draft_count=head[:1],
             draft_head=head,
             draft_plan=plan,
+            lengths=lengths,
         )

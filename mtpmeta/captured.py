@@ -28,7 +28,7 @@ persistent buffers' ``StreamOrder`` (mirror path), as the default route does; in
 capture it records nothing, so a replay is ordered by the stream it is launched on: the
 stream the loop's ``begin_decode`` ran on (contract §12).
 
-Cost note: 28 device ops per depth (``DEPTH_OPS``), 1 per advance, all inside the graph
+Cost note: 23 device ops per depth (``DEPTH_OPS``), 1 per advance, all inside the graph
 at replay; the host's only work per step is ``begin_decode``, the default route's own:
 2 H2D copies on the mirror path (the count and ``offsets[:n]`` together, since the
 count sits just before the offsets on both sides, then ``block_table[:n]``), no torch
@@ -47,12 +47,13 @@ from torch import Tensor
 from .buffers import PersistentBuffers
 from .cache import BoundedCache
 from .gpu_view import ViewTarget
-from .mirror_device import draft_scratch, write_lengths_and_table
+from .mirror_device import (LengthsPlan, draft_scratch, lengths_plan, scan_scratch,
+                            write_lengths_and_table)
 from .runtime import StreamOrder
 
 __all__ = ["CapturedRoute", "stage_count", "mark_pad_rows", "DEPTH_OPS", "ADVANCE_OPS"]
 
-DEPTH_OPS = 28  # device ops one captured setup_decode_step issues (tests count them)
+DEPTH_OPS = 23  # device ops one captured setup_decode_step issues (tests count them)
 ADVANCE_OPS = 1  # device ops one captured advance_decode_step issues
 
 
@@ -103,8 +104,7 @@ class _DepthViews:
     query: Tensor  # [p] int32, persistent query lengths
     kv: Tensor  # [p] int32, persistent KV lengths
     fields: Any  # ViewFields of the view prefixes [:p] ([:p + 1] for cu arrays)
-    cu_heads: Any  # (cu_q [:1], cu_kv [:1])
-    cu_bodies: Any  # (cu_q [1:p+1], cu_kv [1:p+1])
+    lengths: LengthsPlan  # the MHA fields' scan and copies over p rows
 
 
 class CapturedRoute:
@@ -131,6 +131,7 @@ class CapturedRoute:
         # [R] int64 columns; [3, R] bool: pad rows, outside rows, columns past the
         # table; [R, 1] gathered blocks.
         self._columns, self._masks, self._gathered = draft_scratch(buffers, 3)
+        self._scan = scan_scratch(buffers)  # the lengths' row scan (write_lengths_and_table)
         self._lengths_plans = BoundedCache(256)  # p -> _LengthViews
 
     # ------------------------------------------------------------- draft loop
@@ -165,7 +166,7 @@ class CapturedRoute:
         torch.mul(v.offsets, v.query, out=f.token_to_position_in_request)
         torch.mul(v.offsets, v.query, out=f.token_to_pos_ids)
         self._kv_lengths(v)
-        write_lengths_and_table(f, v)
+        write_lengths_and_table(v.lengths)
         f.mha_block_table.masked_fill_(v.pad_2d, -1)
 
     @staticmethod
@@ -214,6 +215,4 @@ class CapturedRoute:
             columns=self._columns[:p], columns_2d=self._columns[:p].unsqueeze(1),
             gathered=self._gathered[:p], gathered_1d=self._gathered[:p, 0],
             query=buffers.query_lengths[:p], kv=buffers.kv_lengths[:p], fields=prefix,
-            cu_heads=(view.mha_cu_query_seq_lengths[:1], view.mha_cu_kv_seq_lengths[:1]),
-            cu_bodies=(view.mha_cu_query_seq_lengths[1:p + 1],
-                       view.mha_cu_kv_seq_lengths[1:p + 1]))
+            lengths=lengths_plan(buffers, self._scan, prefix, p, buffers.block_table[:p]))

@@ -10,22 +10,24 @@ of ``DeviceRoute``), local offsets, KV lengths and both cumulative sums. Depth `
 (the host counts the advances since the begin; no sync) then places its row of that
 plan into the view and the persistent length buffers with one ``torch._foreach_copy_``.
 
-Ops (counted by ``DeviceOpCounter``/``OpCounter`` as dispatches): ``begin`` 10 (the
+Ops (counted by ``DeviceOpCounter``/``OpCounter`` as dispatches): ``begin`` 9 (the
 copy into ``block_table``, the copy into the plan's padded table, one add that writes
-``offsets[:n]``, every planned position and a row of the start positions, one clamp
-that writes ``draft_count`` and the cumulative query lengths, a floor division giving
-positions and block columns, a clamp, a gather, a remainder, a 1-D cumsum of the start
-positions and one addcmul giving every depth's KV sums, pad rows flat), one more when
-``n`` shrank under the same padded count (the older loop's starts in ``[n, p)`` are
-zeroed for the cumsum); each planned depth 1; a depth past the plan takes
-``DeviceRoute``'s per-depth ops. On CUDA the ``_foreach_copy_`` is one multi-tensor
+``offsets[:n]`` and every planned position, one clamp that writes ``draft_count`` and
+the cumulative query lengths, a floor division giving positions and block columns, a
+clamp, a gather, a remainder, and one row-wise cumsum giving every depth's KV sums, pad
+rows flat), one more when ``n`` shrank under the same padded count (the older loop's
+planned KV lengths in ``[n, p)`` are zeroed for the cumsum); each planned depth 1; a
+depth past the plan takes ``DeviceRoute``'s per-depth ops. On CUDA the
+``_foreach_copy_`` is one multi-tensor
 launch only when every pair has one dtype (4- and 8-byte fields are read as int32
 words, as ``placement.CopyPlan`` does): the plan's block ids are kept in the dtype of
 the last view's ``token_to_block_idx`` (a change costs one fill of the padded table's
 ``D`` columns at the next begin); a pair whose dtypes differ (the first loop on another
 view dtype, a ``block_table_dtype`` unlike the view's) goes as its own ``copy_``. The
-copy of ``[n, W]`` table rows is part of each depth's placement. The cumsum's input
-and output are contiguous, so CUDA's scan stages neither through a temporary; the
+copy of ``[n, W]`` table rows is part of each depth's placement. The cumsum scans whole
+``[PLANNED_DEPTHS, R + 1]`` rows, contiguous in and out: CUDA's row scan, which stages
+nothing through a temporary and needs no workspace (a 1-D ``cumsum`` on CUDA is a cub
+scan whose temporary storage comes from the caching allocator at every call); the
 other ops are elementwise, a gather and copies, which take strided views as they are.
 
 Snapshot: the plan is taken from ``start_positions`` and ``block_table_src`` at the
@@ -34,9 +36,11 @@ begin. As on the host route, an in-place edit of ``active_offsets`` or
 rows still come from ``block_table`` at every depth); call ``begin_decode`` again.
 
 Layout tricks (``PersistentBuffers.draft_plan``): ``offsets`` is row ``[0, 0]`` of the
-``[3, PLANNED_DEPTHS + 1, R + 1]`` int32 position rows (row ``[0, d]``: ``offsets + d``,
-row ``[1, d]``: ``offsets + d + BS``, row ``[2, 0]``: the starts again), so the add
-that plans the positions also copies the start positions; the cumulative query
+``[2, PLANNED_DEPTHS + 1, R + 1]`` int32 position rows (row ``[0, d]``: ``offsets + d``,
+row ``[1, d]``: ``offsets + d + BS``, each after one leading entry: ``draft_count``
+in row ``[0, 0]``, 0 in the others), so the add that plans the positions also copies
+the start positions, and rows ``[0, 1:]`` (a 0, then depth ``d``'s KV lengths
+``offsets + d + 1``) are the KV sums' scan input as they stand; the cumulative query
 scratch ends right before ``draft_count``, so ``clamp(arange, max=n)`` over ``p + 2``
 entries writes ``min(i, n)`` for ``i <= p`` and ``n`` itself. Block ids come from a
 padded table ``[R, W + 2]`` (``D`` in columns 0 and ``W + 1``) gathered at
@@ -92,7 +96,7 @@ class DraftPlan:
     Scratch (device, fixed addresses, allocated here): the padded table ``[R, W + 2]``
     (int64 storage, read as int32 when the view's block ids are int32), block ids
     ``[K, R]`` (same), int64 positions and block columns ``[2, K, R]``, int32 local
-    offsets ``[K, R]``, int32 KV sums ``[K, R + 1]`` (column 0 stays 0), and constants
+    offsets ``[K, R]``, int32 KV sums ``[K, R + 1]`` (column 0: 0), and constants
     (depths, divisors, ``arange``, ones-then-zeros, ``D``, zeros).
     """
 
@@ -109,25 +113,24 @@ class DraftPlan:
         flat = buffers.draft_plan
         self._sums_q = flat[:row]  # [R + 1]: cu_q ends at flat[R], draft_count at R + 1
         self._clamp_region = flat[:2 * row]
-        self._rows = flat[row:].view(3, K + 1, row)  # [0, 0] is draft_head
+        self._rows = flat[row:].view(2, K + 1, row)  # [0, 0] is draft_head
         self._positions = self._rows[0, :, 1:]  # [K + 1, R]: offsets + d
-        self._planned_rows = self._rows[:, :, 1:]  # [3, K + 1, R]
-        # [R]: the start positions, zero past n up to every padded count since
-        # (``_dirty``: the columns past n that may hold an older loop's starts).
-        self._starts = self._rows[2, 0, 1:]
+        self._planned_rows = self._rows[:, :, 1:]  # [2, K + 1, R]
+        # [K, R + 1]: depth d's KV lengths offsets + d + 1 after a 0 (column 0, never
+        # written), zero past n up to every padded count since (``_dirty``: the columns
+        # past n that may hold an older loop's values): the KV sums' scan input.
+        self._kv_rows = self._rows[0, 1:]
         self._dirty = 0
         # Factory ops only (the CUDA simulator of the tests tracks those as device).
         depths = torch.arange(K + 1, dtype=i32, device=device)
-        self._steps = torch.zeros((3, K + 1, 1), dtype=i32, device=device)  # [g, d, 1]
+        self._steps = torch.zeros((2, K + 1, 1), dtype=i32, device=device)  # [g, d, 1]
         self._steps[0, :, 0].copy_(depths)  # d
-        torch.add(depths, block_size, out=self._steps[1, :, 0])  # d + BS; group 2: 0
+        torch.add(depths, block_size, out=self._steps[1, :, 0])  # d + BS
         self._divisors = torch.ones((2, 1, 1), dtype=i64, device=device)  # 1, BS
         self._divisors[1].fill_(block_size)
         self._quotients = torch.zeros((2, K, requests), dtype=i64, device=device)
         self._local = torch.zeros((K, requests), dtype=i32, device=device)
         self._sums_kv = torch.zeros((K, row), dtype=i32, device=device)
-        self._sums_start = torch.zeros(row, dtype=i32, device=device)  # [0] stays 0
-        self._kv_steps = torch.arange(1, K + 1, dtype=i32, device=device).view(K, 1)
         self._arange = torch.arange(row + 1, dtype=i32, device=device)
         self._ones_zeros = torch.zeros(2 * requests, dtype=i32, device=device)
         self._ones_zeros[:requests].fill_(1)
@@ -189,7 +192,7 @@ class DraftPlan:
     def begin(self, count: int, padded: int, start_positions: Tensor,
               table_src: Tensor) -> None:
         """Copy the inputs (``offsets[:n]``, ``block_table[:n]``, ``draft_count``) and
-        plan depths ``0..K-1`` of the loop: 10 device ops (see the module docstring)."""
+        plan depths ``0..K-1`` of the loop: 9 device ops (see the module docstring)."""
         n, p, w = count, padded, self.width
         dtype = self._dtype
         table = self._tables[dtype]
@@ -202,15 +205,13 @@ class DraftPlan:
             rows_src = table_src[:n]
             table_rows.copy_(rows_src, non_blocking=True)
             padded_rows.copy_(rows_src, non_blocking=True)
-            # offsets[:n] (row [0, 0]), offsets + d, offsets + d + BS and the starts
-            # again (row [2, 0]), in one add.
+            # offsets[:n] (row [0, 0]), offsets + d and offsets + d + BS, in one add.
             torch.add(start_positions[:n], self._steps, out=planned)
         stale = min(self._dirty, p)
-        if stale > n:  # an older loop's starts in [n, p): zero them for the sums
-            self._starts[n:stale].zero_()
+        if stale > n:  # an older loop's planned KV lengths in [n, p): zero them
+            self._positions[1:, n:stale].zero_()
         self._dirty = n if self._dirty <= p else max(n, self._dirty)
-        arange, clamped, starts, sums_body, sums_start, sums_q, sums_kv = \
-            self._padded_views(p)
+        arange, clamped = self._padded_views(p)
         # cu_q[:p + 1] = min(i, n), then draft_count = min(p + 1, n) = n.
         torch.clamp(arange, max=n, out=clamped)
         if n:
@@ -218,11 +219,11 @@ class DraftPlan:
             columns.clamp_(0, w + 1)  # block column + 1
             torch.gather(gathered, 1, index, out=blocks)
             torch.remainder(positions, self.block_size, out=local)
-        # Sums of the start positions, flat past n: 1-D and contiguous, so CUDA's scan
-        # stages neither its input nor its output through a temporary.
-        torch.cumsum(starts, 0, dtype=torch.int32, out=sums_body)
-        # KV sums of depth d at slot j <= p: sum(offsets[:m]) + (d + 1) * m, m = min(j, n).
-        torch.addcmul(sums_start, self._kv_steps, sums_q, out=sums_kv)
+        # KV sums of every depth: each row [0, offsets + d + 1 (n values), 0...] scanned
+        # whole. [K, R + 1] in and out, both contiguous: CUDA's row scan, which needs no
+        # workspace (a 1-D scan goes through cub, whose temporary storage comes from the
+        # caching allocator at every call).
+        torch.cumsum(self._kv_rows, 1, dtype=torch.int32, out=self._sums_kv)
         self.count, self.padded, self.depth, self.valid = n, p, 0, True
         self._planned_dtype = dtype
 
@@ -239,20 +240,15 @@ class DraftPlan:
                 self._positions[:K, :n], self._local[:, :n], table[:n])
         return views
 
-    def _padded_views(self, p: int) -> Tuple[Tensor, ...]:
-        """The begin's views over ``p`` padded rows (built once per ``p``)."""
+    def _padded_views(self, p: int) -> Tuple[Tensor, Tensor]:
+        """The clamp's ``arange[:p + 2]`` and the cumulative query region it writes
+        (built once per ``p``)."""
         views = self._padded_cache.get(p)
         if views is None:
             row = self.requests + 1
-            views = self._padded_cache[p] = (
-                self._arange[:p + 2], self._clamp_region[row - p - 1:row + 1],
-                self._starts[:p], self._sums_start[1:p + 1], self._sums_start[:p + 1],
-                self._sums_q_window(p), self._sums_kv[:, :p + 1])
+            views = self._padded_cache[p] = (self._arange[:p + 2],
+                                              self._clamp_region[row - p - 1:row + 1])
         return views
-
-    def _sums_q_window(self, p: int) -> Tensor:
-        """The cumulative query lengths ``[:p + 1]`` (``min(j, n)``)."""
-        return self._window(self._cu_queries, self.requests - p).tensor
 
     def covers(self, count: int, padded: int) -> bool:
         """Whether the next depth is planned (same loop, depth < K)."""

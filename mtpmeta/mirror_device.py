@@ -22,7 +22,7 @@ call even when it allocated it on another stream.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -32,7 +32,8 @@ from .device_loop import DraftPlan
 from .gpu_view import ViewTarget
 from .runtime import get_runtime
 
-__all__ = ["write_lengths_and_table", "draft_scratch", "DeviceRoute"]
+__all__ = ["write_lengths_and_table", "lengths_plan", "LengthsPlan", "scan_scratch",
+           "draft_scratch", "DeviceRoute"]
 
 
 def draft_scratch(buffers: PersistentBuffers,
@@ -47,24 +48,66 @@ def draft_scratch(buffers: PersistentBuffers,
             torch.zeros((requests, 1), dtype=buffers.block_table.dtype, device=device))
 
 
-def write_lengths_and_table(fields: Any, v: Any) -> None:
-    """A draft depth's MHA fields from staged device lengths, 7 device ops: both
-    lengths, both cumulative sums (0, then the running sum) and the block-table rows.
+def scan_scratch(buffers: PersistentBuffers) -> Tensor:
+    """``[2R + 1]`` int32 zeros on the buffers' device (allocated once, with a route):
+    ``[:2R]`` viewed ``[2, R]`` takes the row scan of the persistent lengths, ``[2R]``
+    is never written (the 0 the cumulative sums start with)."""
+    requests = buffers.query_lengths.shape[0]
+    return torch.zeros(2 * requests + 1, dtype=torch.int32, device=buffers.offsets.device)
 
-    ``v`` holds ``query``, ``kv`` ([p] int32), ``table`` ([p, W]), ``cu_heads`` (the
-    ``[:1]`` views of both cu fields) and ``cu_bodies`` (their ``[1:p + 1]`` views);
-    ``fields`` the view's ``[:p]`` prefixes. Shared by the device-input route and the
-    captured route, which differ only in how they stage ``v``.
+
+@dataclass(frozen=True)
+class LengthsPlan:
+    """Fixed views of a draft depth's MHA fields over ``m`` rows (``write_lengths_and_table``).
+
+    ``scan_in`` is the persistent ``[2, R]`` lengths (query row, KV row), ``scan_out``
+    the ``[2, R]`` scratch of their running sums; ``dsts``/``srcs`` one
+    ``_foreach_copy_``: both lengths, both cumulative sums (0, then the running sum)
+    and, when its dtypes match, the block-table rows; ``table`` holds the table pair
+    otherwise (its own ``copy_``).
     """
-    fields.mha_query_lengths.copy_(v.query)
-    fields.mha_kv_seq_lengths.copy_(v.kv)
-    cu_q_head, cu_kv_head = v.cu_heads
-    cu_q_body, cu_kv_body = v.cu_bodies
-    cu_q_head.zero_()
-    cu_kv_head.zero_()
-    torch.cumsum(v.query, 0, dtype=cu_q_body.dtype, out=cu_q_body)
-    torch.cumsum(v.kv, 0, dtype=cu_kv_body.dtype, out=cu_kv_body)
-    fields.mha_block_table.copy_(v.table)
+
+    scan_in: Tensor
+    scan_out: Tensor
+    dsts: List[Tensor]
+    srcs: List[Tensor]
+    table: Optional[Tuple[Tensor, Tensor]]
+
+
+def lengths_plan(buffers: PersistentBuffers, scratch: Tensor, fields: Any, m: int,
+                 table: Tensor) -> LengthsPlan:
+    """The ``LengthsPlan`` of ``fields`` (the view's prefixes ``[:m]``, ``[:m + 1]`` for
+    the cu fields) from the persistent lengths' first ``m`` rows and ``table`` ``[m, W]``
+    (``scratch``: ``scan_scratch``'s)."""
+    requests = buffers.query_lengths.shape[0]
+    lengths = buffers.lengths
+    sums = scratch[:2 * requests].view(2, requests)
+    zero = scratch[2 * requests:]
+    cu_q, cu_kv = fields.mha_cu_query_seq_lengths, fields.mha_cu_kv_seq_lengths
+    dsts = [fields.mha_query_lengths, fields.mha_kv_seq_lengths, cu_q[:1], cu_kv[:1],
+            cu_q[1:m + 1], cu_kv[1:m + 1]]
+    srcs = [lengths[0, :m], lengths[1, :m], zero, zero, sums[0, :m], sums[1, :m]]
+    pair: Optional[Tuple[Tensor, Tensor]] = (fields.mha_block_table, table)
+    if fields.mha_block_table.dtype == table.dtype:
+        dsts.append(fields.mha_block_table)
+        srcs.append(table)
+        pair = None
+    return LengthsPlan(lengths, sums, dsts, srcs, pair)
+
+
+def write_lengths_and_table(plan: LengthsPlan) -> None:
+    """A draft depth's MHA fields from the staged device lengths: 2 device ops (3 when
+    the table's dtype differs from the view's). One ``cumsum`` scans both whole
+    ``[2, R]`` length rows, contiguous in and out: CUDA's row scan, which needs no
+    workspace (a 1-D scan is a cub scan whose temporary storage comes from the caching
+    allocator at every call). Then one ``_foreach_copy_`` places both lengths, both
+    cumulative sums and the block-table rows. Shared by the device-input route and the
+    captured route, which differ only in how they stage the lengths.
+    """
+    torch.cumsum(plan.scan_in, 1, dtype=torch.int32, out=plan.scan_out)
+    torch._foreach_copy_(plan.dsts, plan.srcs)
+    if plan.table is not None:
+        plan.table[0].copy_(plan.table[1])
 
 
 @dataclass(frozen=True)
@@ -86,8 +129,7 @@ class DecodeViews:
     fields: object  # ViewFields of the view prefixes [:n] ([:n + 1] for cu arrays)
     pad_tokens: Optional[object]  # (block [n:p], local [n:p])
     pad_requests: Optional[object]  # (q [n:p], kv [n:p], cu_q [n+1:p+1], cu_kv, table [n:p])
-    cu_heads: object  # (cu_q [:1], cu_kv [:1])
-    cu_bodies: object  # (cu_q [1:n+1], cu_kv [1:n+1])
+    lengths: LengthsPlan  # the MHA fields' scan and copies over n rows
     cu_last: object  # (cu_q [n:n+1], cu_kv [n:n+1])
 
 
@@ -105,6 +147,7 @@ class DeviceRoute:
         # Draft-depth scratch: [R] int64 columns, [2, R] bool (outside, past the table),
         # [R, 1] gathered blocks.
         self._columns, self._outside, self._gathered = draft_scratch(buffers, 2)
+        self._scan = scan_scratch(buffers)  # the lengths' row scan (write_lengths_and_table)
         # The loop's depths planned at begin_decode (device_loop.py).
         self.plan = DraftPlan(buffers, block_size=block_size, dummy=dummy,
                               minus_one=minus_one)
@@ -119,7 +162,7 @@ class DeviceRoute:
     def begin_decode(self, count: int, start_positions: Tensor, table_src: Tensor,
                      padded: Optional[int] = None) -> None:
         """Copy ``offsets[:n]``, ``block_table[:n]`` and ``draft_count``; with
-        ``padded``, plan the loop's depths too (``DraftPlan.begin``: 10 device ops), else
+        ``padded``, plan the loop's depths too (``DraftPlan.begin``: 9 device ops), else
         3 ops and nothing planned (the captured loop)."""
         plan = self.plan
         if padded is not None:
@@ -138,7 +181,7 @@ class DeviceRoute:
 
     def decode_step(self, target: ViewTarget, count: int, padded: int) -> None:
         """One draft depth: the planned one (1 device op) while the loop's depth is
-        within the plan, else from the persistent device buffers alone (21 ops, 28
+        within the plan, else from the persistent device buffers alone (16 ops, 23
         with pad rows)."""
         if self.plan.covers(count, padded):
             self.plan.place(target)
@@ -163,7 +206,7 @@ class DeviceRoute:
         f.token_to_pos_ids.copy_(v.offsets)
         v.query.fill_(1)
         torch.add(v.offsets, 1, out=v.kv)
-        write_lengths_and_table(f, v)
+        write_lengths_and_table(v.lengths)
         if v.pad_tokens is not None:
             pad_block, pad_local = v.pad_tokens
             pad_block.fill_(self.dummy)
@@ -195,9 +238,7 @@ class DeviceRoute:
                           view.mha_cu_query_seq_lengths[n + 1:p + 1],
                           view.mha_cu_kv_seq_lengths[n + 1:p + 1],
                           view.mha_block_table[n:p]) if pad else None,
-            cu_heads=(view.mha_cu_query_seq_lengths[:1], view.mha_cu_kv_seq_lengths[:1]),
-            cu_bodies=(view.mha_cu_query_seq_lengths[1:n + 1],
-                       view.mha_cu_kv_seq_lengths[1:n + 1]),
+            lengths=lengths_plan(buffers, self._scan, prefix, n, buffers.block_table[:n]),
             cu_last=(view.mha_cu_query_seq_lengths[n:n + 1],
                      view.mha_cu_kv_seq_lengths[n:n + 1]))
 

@@ -50,6 +50,13 @@ H2D copies that are strided, dtype-converting or broadcasting are counted
 (``staged_h2d_copies``): on CUDA they go through a pageable ``.contiguous()`` temporary
 and a device ``empty_like``, a hidden sync and an allocation.
 
+Device scans (``cumsum``) that allocate on CUDA are counted (``scan_workspaces``): a scan
+over a whole tensor (one dimension holds every element) is a cub scan, whose temporary
+storage comes from the caching allocator at every call; a strided input or output, or
+one of another dtype, is staged through a new tensor. A row scan (the last dimension of
+a contiguous tensor with more than one row) into a contiguous output of its dtype
+allocates nothing (ATen's ``scan_dim``).
+
 Not simulated: "device" tensors are CPU tensors, so library code that branches on
 ``tensor.is_cpu`` (rather than the runtime) takes its host route for them, and
 ``.cpu()``/``.numpy()``/``.tolist()`` read them without any aten op (no sync is seen,
@@ -350,6 +357,8 @@ class CudaSim:
         self.unsafe_frees: List[str] = []  # frees a queued op on another stream still reads
         self.record_streams = 0
         self.uncaptured_during_capture = 0  # ops issued elsewhere during a global capture
+        self.scan_workspaces = 0  # device cumsums that allocate on CUDA (module docstring)
+        self.scan_log: List[str] = []
 
     # ------------------------------------------------------------ activation
     def __enter__(self) -> "CudaSim":
@@ -596,6 +605,8 @@ class CudaSim:
                 raise RuntimeError(f"{func}: expected all tensors on the device, got a "
                                    f"{kind} host tensor of shape {tuple(tensor.shape)}")
         schema = func._schema
+        if schema.name == "aten::cumsum":
+            self._note_scan(args, kwargs)
         if any(str(r.type) not in _TENSOR_RETURNS for r in schema.returns):
             self._host_sync(f"{func} (the host needs the result)")
             return func(*args, **kwargs)
@@ -630,6 +641,30 @@ class CudaSim:
 
         self._enqueue(run, str(func), tensors=tensors)
         return spec.unflatten(outs)
+
+    def _note_scan(self, args: tuple, kwargs: dict) -> None:
+        """Count a device ``cumsum`` that takes a workspace or a staging tensor on CUDA."""
+        src, dim = args[0], args[1]
+        out = kwargs.get("out")
+        dtype = kwargs.get("dtype") or (out.dtype if out is not None else None)
+        if dtype is None and not (src.dtype.is_floating_point or src.dtype.is_complex):
+            dtype = torch.int64  # an integer scan promotes: the input is converted
+        if src.dim() == 0:
+            return
+        dim %= src.dim()
+        reasons = []
+        if src.numel() == src.size(dim):
+            reasons.append("a whole-tensor scan (cub: temporary storage)")
+        if not src.is_contiguous():
+            reasons.append("a strided input")
+        if out is not None and not out.is_contiguous():
+            reasons.append("a strided output")
+        if dtype is not None and dtype != src.dtype:
+            reasons.append(f"a {src.dtype} input scanned as {dtype}")
+        if reasons:
+            self.scan_workspaces += 1
+            self.scan_log.append(f"cumsum of {tuple(src.shape)} over dim {dim}: "
+                                 + ", ".join(reasons))
 
     @staticmethod
     def _mutated(func, args: tuple, kwargs: dict) -> Any:

@@ -553,3 +553,67 @@ def test_sim_flags_strided_and_converting_h2d_copies(make_sim):
         target.copy_(pinned[:1], non_blocking=True)  # broadcast
         sim.synchronize()
     assert sim.staged_h2d_copies == 3, sim.staged_log
+
+
+def test_sim_flags_scans_that_take_a_workspace_on_cuda(make_sim):
+    """A whole-tensor (1-D) scan is a cub scan with allocator-backed temporary storage; a
+    strided input or output, or a converting scan, is staged through a new tensor; a
+    row scan of a contiguous ``[rows > 1, L]`` tensor into a contiguous output of its
+    dtype takes none (ATen's ``scan_dim``)."""
+    sim = make_sim(idle=1.0)
+    with sim:
+        rows = torch.ones((3, 5), dtype=torch.int32)
+        out = torch.zeros((3, 5), dtype=torch.int32)
+        torch.cumsum(rows, 1, dtype=torch.int32, out=out)
+        assert sim.scan_workspaces == 0, sim.scan_log
+        wide = torch.zeros((3, 7), dtype=torch.int32)
+        torch.cumsum(rows[0], 0, dtype=torch.int32, out=out[0])  # 1-D: cub
+        torch.cumsum(rows, 1, dtype=torch.int32, out=wide[:, :5])  # strided output
+        torch.cumsum(wide[:, :5], 1, dtype=torch.int32, out=out)  # strided input
+        torch.cumsum(rows, 1, dtype=torch.int64)  # converting
+        sim.synchronize()
+    assert sim.scan_workspaces == 4, sim.scan_log
+
+
+def test_draft_loops_scan_their_sums_without_a_workspace(make_sim):
+    """Every cumulative sum of a draft loop is a row scan, which allocates nothing on
+    CUDA: the device-input loop (its planned depths and two past the plan) and the
+    captured route's depths run eagerly. A 1-D ``cumsum`` there (a cub scan, whose
+    temporary storage comes from the caching allocator at every call) would be an
+    allocation inside the draft loop. Each depth's view equals the reference's."""
+    from mtpmeta.buffers import PLANNED_DEPTHS
+
+    rng = np.random.default_rng(5)
+    sim = make_sim(6)
+    depths = PLANNED_DEPTHS + 2
+    with sim:
+        meta, ref, [(view, ref_view)] = new_pair(sim)
+        starts = rng.integers(0, W * BS - depths, size=R).astype(np.int32)
+        table = rng.integers(0, R * W, size=(R, W)).astype(np.int32)
+        for n, padded, capture_setup in ((5, R, False), (R, R, False), (3, 6, True)):
+            device_starts, device_table = upload(sim, starts), upload(sim, table)
+            sim.synchronize()
+            before = sim.scan_workspaces
+            args = (device_starts, device_table) if not capture_setup else \
+                (host(starts), host(table))
+            meta.begin_decode(n, padded, *args, True, capture_setup=capture_setup)
+            ref.begin_decode(n, padded, host(starts), host(table), True)
+            for _ in range(depths if not capture_setup else 2):
+                meta.setup_decode_step(view)
+                ref.setup_decode_step(ref_view)
+                sim.synchronize()
+                for name in ("mha_cu_query_seq_lengths", "mha_cu_kv_seq_lengths",
+                             "mha_query_lengths", "mha_kv_seq_lengths", "mha_block_table",
+                             "token_to_block_idx", "token_to_pos_ids"):
+                    got = sim.peek(getattr(view, name))[:padded + 1]
+                    want = sim.peek(getattr(ref_view, name))[:padded + 1]
+                    if capture_setup and name not in ("mha_cu_query_seq_lengths",
+                                                      "mha_cu_kv_seq_lengths"):
+                        got, want = got[:n], want[:n]  # pad rows: contract §12's values
+                    assert torch.equal(got, want.to(got.dtype)), (name, got, want)
+                meta.advance_decode_step()
+                ref.advance_decode_step()
+            meta.end_forward()
+            ref.end_forward()
+            assert sim.scan_workspaces == before, sim.scan_log[before:]
+        sim.synchronize()
