@@ -148,6 +148,12 @@ class DeviceRoute:
         # [R, 1] gathered blocks.
         self._columns, self._outside, self._gathered = draft_scratch(buffers, 2)
         self._scan = scan_scratch(buffers)  # the lengths' row scan (write_lengths_and_table)
+        # write_mha_metadata's row scan: staged [2, R] int32 lengths, their sums, a 0.
+        requests = buffers.query_lengths.shape[0]
+        writer = torch.zeros(4 * requests + 1, dtype=torch.int32, device=self.device)
+        self._writer_scan = (writer[:2 * requests].view(2, requests),
+                             writer[2 * requests:4 * requests].view(2, requests),
+                             writer[4 * requests:])
         # The loop's depths planned at begin_decode (device_loop.py).
         self.plan = DraftPlan(buffers, block_size=block_size, dummy=dummy,
                               minus_one=minus_one)
@@ -303,19 +309,36 @@ class DeviceRoute:
     def write_mha_metadata(self, target: ViewTarget, query_lengths: Tensor,
                            kv_lengths: Tensor, count: int, table: Tensor,
                            padded: int) -> None:
-        """Device-op MHA metadata (no read-back; lengths are not checked)."""
+        """Device-op MHA metadata (no read-back; lengths are not checked). Up to ``R``
+        requests and int32 length fields (both layouts'), both cumulative sums are one
+        row scan of a ``[2, R]`` int32 scratch (no workspace on CUDA, as in the draft
+        loops); more requests than ``R`` (a wider view) or other field dtypes take two
+        1-D scans (cub's temporary storage)."""
         self._in_use(query_lengths, kv_lengths, table)
         f = target.fields
         cu_q, cu_kv = f.mha_cu_query_seq_lengths, f.mha_cu_kv_seq_lengths
         mha_q, mha_kv, mha_table = f.mha_query_lengths, f.mha_kv_seq_lengths, f.mha_block_table
         num_rows = table.shape[0]
-        cu_q[:1].zero_()
-        cu_kv[:1].zero_()
-        if count:
-            mha_q[:count].copy_(query_lengths)
-            mha_kv[:count].copy_(kv_lengths)
-            torch.cumsum(query_lengths, 0, dtype=cu_q.dtype, out=cu_q[1:count + 1])
-            torch.cumsum(kv_lengths, 0, dtype=cu_kv.dtype, out=cu_kv[1:count + 1])
+        requests = self.buffers.query_lengths.shape[0]
+        if 0 < count <= requests and cu_q.dtype is cu_kv.dtype is mha_q.dtype is \
+                mha_kv.dtype is torch.int32:
+            staged, sums, zero = self._writer_scan
+            staged[0, :count].copy_(query_lengths)
+            staged[1, :count].copy_(kv_lengths)
+            torch.cumsum(staged, 1, dtype=torch.int32, out=sums)
+            torch._foreach_copy_(
+                [mha_q[:count], mha_kv[:count], cu_q[:1], cu_kv[:1], cu_q[1:count + 1],
+                 cu_kv[1:count + 1]],
+                [staged[0, :count], staged[1, :count], zero, zero, sums[0, :count],
+                 sums[1, :count]])
+        else:
+            cu_q[:1].zero_()
+            cu_kv[:1].zero_()
+            if count:
+                mha_q[:count].copy_(query_lengths)
+                mha_kv[:count].copy_(kv_lengths)
+                torch.cumsum(query_lengths, 0, dtype=cu_q.dtype, out=cu_q[1:count + 1])
+                torch.cumsum(kv_lengths, 0, dtype=cu_kv.dtype, out=cu_kv[1:count + 1])
         if num_rows:
             mha_table[:num_rows].copy_(table)
         if count > num_rows:

@@ -13,6 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mtpmeta import ContextGPUView
+from mtpmeta.reference import ReferenceGPUView
+
 from tests.helpers import (assert_buffers_equal, assert_views_equal, make_metadata,
                            make_reference, make_views)
 
@@ -58,18 +61,30 @@ def test_device_token_maps_send_out_of_table_columns_to_the_dummy_block(device_r
 
 
 def test_device_mha_metadata_matches_reference(device_route, rng):
+    """Lengths of either dtype, 0..R requests (the row-scan route) and, on a view with
+    more request slots than R, past R (the 1-D scans)."""
     meta, ref, view, ref_view = _pair()
-    for _ in range(20):
+    for _ in range(30):
         n = int(rng.integers(0, meta.max_requests + 1))
-        q = torch.tensor(rng.integers(0, 9, n), dtype=torch.int32)
+        dtype = torch.int32 if rng.integers(0, 2) else torch.int64
+        q = torch.tensor(rng.integers(0, 9, n), dtype=dtype)
         kv = q if rng.integers(0, 2) else torch.tensor(rng.integers(0, 30, n),
-                                                       dtype=torch.int32)
+                                                       dtype=dtype)
         rows = int(rng.integers(0, n + 1))
         table = _table(rng, meta)[:rows]
         padded = int(rng.integers(n, meta.max_requests + 1))
         meta.write_mha_metadata(view, q, kv, table, padded)
         ref.write_mha_metadata(ref_view, q, kv, table, padded)
         assert_views_equal(view, ref_view)
+    wide = ContextGPUView(meta.max_requests + 4, 64, meta.max_kv_block_count)
+    ref_wide = ReferenceGPUView(meta.max_requests + 4, 64, meta.max_kv_block_count, "cpu")
+    n = meta.max_requests + 3
+    q = torch.tensor(rng.integers(0, 9, n), dtype=torch.int32)
+    kv = torch.tensor(rng.integers(0, 30, n), dtype=torch.int32)
+    table = _table(rng, meta)
+    meta.write_mha_metadata(wide, q, kv, table, n + 1)
+    ref.write_mha_metadata(ref_wide, q, kv, table, n + 1)
+    assert_views_equal(wide, ref_wide)
 
 
 @pytest.mark.parametrize("count,pad", [(3, 0), (3, 5), (8, 5), (0, 2)])

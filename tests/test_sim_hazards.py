@@ -424,8 +424,8 @@ def device_input_steps(sim: CudaSim, seed: int = 0):
 
 def test_device_inputs_take_the_device_route_and_match_the_reference(make_sim):
     """Simulated device inputs reach ``mirror_device.DeviceRoute`` (routed by the
-    runtime, not ``tensor.is_cpu``), run with no sync and no hidden copy, and every
-    forward equals the reference's."""
+    runtime, not ``tensor.is_cpu``), run with no sync, no hidden copy and no scan that
+    allocates on CUDA, and every forward equals the reference's."""
     sim = make_sim(4)
     calls = []
     original = mirror_module.DeviceRoute
@@ -443,6 +443,7 @@ def test_device_inputs_take_the_device_route_and_match_the_reference(make_sim):
     finally:
         mirror_module.DeviceRoute = original
     assert_snapshots_equal(ours, theirs)
+    assert sim.scan_workspaces == 0, sim.scan_log
     assert {"begin_decode", "decode_step", "stage_prefill_lengths", "write_token_maps",
             "write_mha_metadata"} <= set(calls), sorted(set(calls))
 
