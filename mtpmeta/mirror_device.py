@@ -264,6 +264,18 @@ class DeviceRoute:
         return num_prefill
 
     # -------------------------------------------------------------------- writers
+    def _writer_plan(self, f: Any, count: int) -> Tuple[Tensor, Tensor, List[Tensor],
+                                                         List[Tensor]]:
+        """``write_mha_metadata``'s fixed views over ``count`` requests: the staged
+        query and KV rows, and the ``_foreach_copy_`` pairs from them and their sums."""
+        staged, sums, zero = self._writer_scan
+        cu_q, cu_kv = f.mha_cu_query_seq_lengths, f.mha_cu_kv_seq_lengths
+        return (staged[0, :count], staged[1, :count],
+                [f.mha_query_lengths[:count], f.mha_kv_seq_lengths[:count], cu_q[:1],
+                 cu_kv[:1], cu_q[1:count + 1], cu_kv[1:count + 1]],
+                [staged[0, :count], staged[1, :count], zero, zero, sums[0, :count],
+                 sums[1, :count]])
+
     def write_token_maps(self, target: ViewTarget, rows: Tensor, positions: Tensor,
                          table: Tensor, inherited: Optional[Tensor], padded: int) -> None:
         """Device-op token maps (allocates temporaries; values unchecked, no sync).
@@ -322,15 +334,15 @@ class DeviceRoute:
         requests = self.buffers.query_lengths.shape[0]
         if 0 < count <= requests and cu_q.dtype is cu_kv.dtype is mha_q.dtype is \
                 mha_kv.dtype is torch.int32:
-            staged, sums, zero = self._writer_scan
-            staged[0, :count].copy_(query_lengths)
-            staged[1, :count].copy_(kv_lengths)
-            torch.cumsum(staged, 1, dtype=torch.int32, out=sums)
-            torch._foreach_copy_(
-                [mha_q[:count], mha_kv[:count], cu_q[:1], cu_kv[:1], cu_q[1:count + 1],
-                 cu_kv[1:count + 1]],
-                [staged[0, :count], staged[1, :count], zero, zero, sums[0, :count],
-                 sums[1, :count]])
+            plan = target.plans.get(("mha_writer", count))
+            if plan is None:
+                plan = self._writer_plan(f, count)
+                target.plans.put(("mha_writer", count), plan)
+            staged_q, staged_kv, dsts, srcs = plan
+            staged_q.copy_(query_lengths)
+            staged_kv.copy_(kv_lengths)
+            torch.cumsum(self._writer_scan[0], 1, dtype=torch.int32, out=self._writer_scan[1])
+            torch._foreach_copy_(dsts, srcs)
         else:
             cu_q[:1].zero_()
             cu_kv[:1].zero_()

@@ -95,3 +95,28 @@ def test_cuda_graph_of_the_captured_loop_replays_like_eager():
                     where, name)
             torch.testing.assert_close(a["attention"], b["attention"], rtol=1e-5, atol=1e-6)
             assert a["token_to_block_idx"][n:P].tolist() == [D] * (P - n), where
+
+
+def test_captured_setup_run_eagerly_allocates_nothing():
+    """Contract §12: the captured setup allocates nothing, eagerly too. A 1-D cumsum
+    there would (CUDA's cub scan takes temporary storage from the caching allocator at
+    every call, which the allocator's request count sees)."""
+    meta, view, _, _ = _objects()
+    n, starts, table, _ = schedule(0)[0]
+    meta.begin_decode_for_capture(P, capture_setup=True)
+    meta.end_forward()
+    for _ in range(2):  # warm-up: views and plans built
+        meta.begin_decode(n, P, starts, table, True, capture_setup=True)
+        for _ in range(3):
+            meta.setup_decode_step(view)
+            meta.advance_decode_step()
+        meta.end_forward()
+    torch.cuda.synchronize()
+    requests = torch.cuda.memory_stats()["allocation.all.allocated"]
+    meta.begin_decode(n, P, starts, table, True, capture_setup=True)
+    for _ in range(3):
+        meta.setup_decode_step(view)
+        meta.advance_decode_step()
+    meta.end_forward()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == requests
