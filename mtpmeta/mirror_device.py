@@ -269,12 +269,13 @@ class DeviceRoute:
         """``write_mha_metadata``'s fixed views over ``count`` requests: the staged
         query and KV rows, and the ``_foreach_copy_`` pairs from them and their sums."""
         staged, sums, zero = self._writer_scan
+        query_in, kv_in = (row[:count] for row in staged.unbind(0))
+        query_sums, kv_sums = (row[:count] for row in sums.unbind(0))
         cu_q, cu_kv = f.mha_cu_query_seq_lengths, f.mha_cu_kv_seq_lengths
-        return (staged[0, :count], staged[1, :count],
+        return (query_in, kv_in,
                 [f.mha_query_lengths[:count], f.mha_kv_seq_lengths[:count], cu_q[:1],
                  cu_kv[:1], cu_q[1:count + 1], cu_kv[1:count + 1]],
-                [staged[0, :count], staged[1, :count], zero, zero, sums[0, :count],
-                 sums[1, :count]])
+                [query_in, kv_in, zero, zero, query_sums, kv_sums])
 
     def write_token_maps(self, target: ViewTarget, rows: Tensor, positions: Tensor,
                          table: Tensor, inherited: Optional[Tensor], padded: int) -> None:
