@@ -20,7 +20,9 @@ planned KV lengths in ``[n, p)`` are zeroed for the cumsum); each planned depth 
 depth past the plan takes ``DeviceRoute``'s per-depth ops. On CUDA the
 ``_foreach_copy_`` is one multi-tensor
 launch only when every pair has one dtype (4- and 8-byte fields are read as int32
-words, as ``placement.CopyPlan`` does): the plan's block ids are kept in the dtype of
+words, as ``placement.CopyPlan`` does) and every tensor is dense with its pair's
+strides (all of them are prefixes and whole rows; the simulator's
+``unfused_foreach_copies`` checks it, ``tests/test_op_budget.py``): the plan's block ids are kept in the dtype of
 the last view's ``token_to_block_idx`` (a change costs one fill of the padded table's
 ``D`` columns at the next begin); a pair whose dtypes differ (the first loop on another
 view dtype, a ``block_table_dtype`` unlike the view's) goes as its own ``copy_``. The

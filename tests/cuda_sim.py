@@ -57,6 +57,13 @@ one of another dtype, is staged through a new tensor. A row scan (the last dimen
 a contiguous tensor with more than one row) into a contiguous output of its dtype
 allocates nothing (ATen's ``scan_dim``).
 
+A device ``_foreach_copy_`` that CUDA would run pair by pair is counted
+(``unfused_foreach_copies``): its fused multi-tensor path (ATen's ``ForeachUtils.h``)
+needs every tensor of both lists to have one dtype, be non-overlapping and dense, and
+each pair to share sizes and strides (size-1 dimensions aside); otherwise each pair is
+its own copy launch, and a placement the op counters score as one op is a dozen
+launches on the GPU.
+
 Not simulated: "device" tensors are CPU tensors, so library code that branches on
 ``tensor.is_cpu`` (rather than the runtime) takes its host route for them, and
 ``.cpu()``/``.numpy()``/``.tolist()`` read them without any aten op (no sync is seen,
@@ -295,6 +302,26 @@ def _poison(tensor: torch.Tensor) -> None:
         tensor.fill_(torch.iinfo(tensor.dtype).max // 3)
 
 
+def _dense(tensor: torch.Tensor) -> bool:
+    """ATen's ``is_non_overlapping_and_dense``: some order of the dimensions is a
+    contiguous layout (size-1 dimensions ignored)."""
+    if tensor.numel() == 0:
+        return True
+    expected = 1
+    for size, stride in sorted((d for d in zip(tensor.shape, tensor.stride()) if d[0] != 1),
+                               key=lambda d: d[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal sizes, and equal strides wherever a size is not 1."""
+    return a.shape == b.shape and all(size == 1 or x == y for size, x, y in
+                                      zip(a.shape, a.stride(), b.stride()))
+
+
 def _to_meta(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return torch.empty_strided(value.size(), value.stride(), dtype=value.dtype,
@@ -359,6 +386,9 @@ class CudaSim:
         self.uncaptured_during_capture = 0  # ops issued elsewhere during a global capture
         self.scan_workspaces = 0  # device cumsums that allocate on CUDA (module docstring)
         self.scan_log: List[str] = []
+        self.foreach_copies = 0  # device _foreach_copy_ calls
+        self.unfused_foreach_copies = 0  # ... that CUDA runs pair by pair
+        self.foreach_log: List[str] = []
 
     # ------------------------------------------------------------ activation
     def __enter__(self) -> "CudaSim":
@@ -607,6 +637,8 @@ class CudaSim:
         schema = func._schema
         if schema.name == "aten::cumsum":
             self._note_scan(args, kwargs)
+        elif schema.name == "aten::_foreach_copy_":
+            self._note_foreach(args[0], args[1])
         if any(str(r.type) not in _TENSOR_RETURNS for r in schema.returns):
             self._host_sync(f"{func} (the host needs the result)")
             return func(*args, **kwargs)
@@ -665,6 +697,25 @@ class CudaSim:
             self.scan_workspaces += 1
             self.scan_log.append(f"cumsum of {tuple(src.shape)} over dim {dim}: "
                                  + ", ".join(reasons))
+
+    def _note_foreach(self, dsts: Sequence[torch.Tensor],
+                      srcs: Sequence[torch.Tensor]) -> None:
+        """Count a ``_foreach_copy_`` that misses CUDA's fused path (module docstring)."""
+        self.foreach_copies += 1
+        tensors = list(dsts) + list(srcs)
+        reasons = []
+        if len({t.dtype for t in tensors}) > 1:
+            reasons.append("dtypes " + ", ".join(sorted({str(t.dtype) for t in tensors})))
+        sparse = [tuple(t.shape) for t in tensors if not _dense(t)]
+        if sparse:
+            reasons.append(f"not dense: {sparse[:3]}")
+        unlike = [tuple(d.shape) for d, s in zip(dsts, srcs) if not _same_layout(d, s)]
+        if unlike:
+            reasons.append(f"pairs of other sizes or strides: {unlike[:3]}")
+        if reasons:
+            self.unfused_foreach_copies += 1
+            self.foreach_log.append(f"_foreach_copy_ of {len(dsts)} pairs: "
+                                    + "; ".join(reasons))
 
     @staticmethod
     def _mutated(func, args: tuple, kwargs: dict) -> Any:

@@ -102,9 +102,11 @@ class ForwardLog:
 
 
 def assert_no_hidden_copies(sim: CudaSim) -> None:
-    """No async copy from pageable memory and no strided/converting H2D copy so far."""
+    """No async copy from pageable memory, no strided/converting H2D copy and no
+    ``_foreach_copy_`` that CUDA runs pair by pair so far."""
     assert sim.pageable_async_copies == 0, sim.pageable_log
     assert sim.staged_h2d_copies == 0, sim.staged_log
+    assert sim.unfused_foreach_copies == 0, sim.foreach_log
 
 
 def assert_snapshots_equal(ours: List[Tuple[str, Dict[str, torch.Tensor]]],

@@ -21,7 +21,7 @@ import torch
 from mtpmeta import ContextGPUView, MTPMetadata
 from mtpmeta.bench.callops import counted_step
 from mtpmeta.bench.workload import StepConfig, make_steps, run_step
-from tests.cuda_sim import CudaSim
+from tests.cuda_sim import DEVICE, CudaSim
 from tests.upstream_view import UpstreamLayoutView
 
 pytestmark = pytest.mark.skipif(
@@ -109,6 +109,46 @@ def test_draft_depth_ops_and_h2d_bytes_do_not_grow_with_the_table_width(layout):
     assert per_width[8] == per_width[512], per_width
     # O(padded) bytes: five token fields, four length fields, no table.
     assert per_width[512] < 64 * (config.padded_active + 1)
+
+
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_every_foreach_copy_takes_cudas_fused_path(layout, graphed):
+    """Under CUDA semantics (simulated): every ``_foreach_copy_`` of the mirror path has
+    one dtype, dense tensors and pairs of equal sizes and strides, so CUDA runs it as
+    multi-tensor launches and the budgets above count launches, not dispatches that
+    fan out into a copy per field. Covered: host-input steps (carry, begin, depths,
+    commit pass), then a device-input loop (planned depths and two past the plan) and
+    device-input ``write_mha_metadata``, on both layouts."""
+    from mtpmeta.buffers import PLANNED_DEPTHS
+
+    config = StepConfig(max_requests=24, block_columns=8, block_size=4, active=17,
+                        depths=3, prefill_tokens=12, inherited_blocks=1, moves=2,
+                        swaps=1, resets=2, graphed=graphed)
+    steps = make_steps(config, 3, seed=7)
+    with CudaSim(seed=4) as sim:
+        meta = MTPMetadata(**config.metadata_kwargs())
+        meta.allocate("cpu", mirror=True)
+        view = LAYOUTS[layout](config.max_requests, config.max_tokens, 8, "cpu")
+        for inputs in steps:
+            run_step(meta, view, inputs, config)
+        host_route = sim.foreach_copies
+        first = steps[0]
+        starts, table = (torch.empty(host.shape, dtype=host.dtype).copy_(host)
+                         for host in (first.start_positions, first.block_table))
+        assert sim.kind(starts) == sim.kind(table) == DEVICE
+        meta.begin_decode(config.active, config.padded_active, starts.clamp_(max=4),
+                          table, False)
+        for _ in range(PLANNED_DEPTHS + 2):
+            meta.setup_decode_step(view)
+            meta.advance_decode_step()
+        meta.end_forward()
+        lengths = torch.empty(config.active, dtype=torch.int32).fill_(2)
+        meta.write_mha_metadata(view, lengths, lengths, table[:config.active],
+                                config.active)
+        sim.synchronize()
+    assert host_route > 0 and sim.foreach_copies > host_route
+    assert sim.unfused_foreach_copies == 0, sim.foreach_log
 
 
 def test_upstream_layout_keeps_every_byte_outside_the_ten_mtp_fields():

@@ -576,6 +576,27 @@ def test_sim_flags_scans_that_take_a_workspace_on_cuda(make_sim):
     assert sim.scan_workspaces == 4, sim.scan_log
 
 
+def test_sim_flags_foreach_copies_that_cuda_runs_pair_by_pair(make_sim):
+    """CUDA fuses a ``_foreach_copy_`` into multi-tensor launches only when every tensor
+    has one dtype and is dense and each pair shares sizes and strides; a word-viewed
+    list of contiguous prefixes and dense 2-D rows passes, each kind of miss counts."""
+    sim = make_sim(idle=1.0)
+    with sim:
+        a32, b32 = torch.zeros(12, dtype=torch.int32), torch.ones(12, dtype=torch.int32)
+        rows = torch.ones((4, 6), dtype=torch.int32)
+        wide = torch.zeros((4, 8), dtype=torch.int32)
+        torch._foreach_copy_([a32[:5], wide[:2]], [b32[3:8], torch.ones((2, 8),
+                                                                       dtype=torch.int32)])
+        assert sim.unfused_foreach_copies == 0, sim.foreach_log
+        torch._foreach_copy_([a32[:3], torch.zeros(3, dtype=torch.int64)],
+                             [b32[:3], torch.ones(3, dtype=torch.int64)])  # two dtypes
+        torch._foreach_copy_([wide[:, :6]], [rows])  # a strided destination
+        torch._foreach_copy_([a32[::2]], [b32[:6]])  # a strided 1-D destination
+        torch._foreach_copy_([wide.t().contiguous()], [wide.t()])  # both dense, unlike
+        sim.synchronize()
+    assert sim.unfused_foreach_copies == 4, sim.foreach_log
+
+
 def test_draft_loops_scan_their_sums_without_a_workspace(make_sim):
     """Every cumulative sum of a draft loop is a row scan, which allocates nothing on
     CUDA: the device-input loop (its planned depths and two past the plan) and the
