@@ -26,7 +26,8 @@ such call when the current stream changed (``StreamOrder``: an event recorded on
 previous stream, waited on by the current one), so a pass on stream B never rewrites a
 length that a forward issued on stream A has yet to read, nor the shared zone a depth or
 pass on stream A has yet to place from. View writers touch only the
-caller's view and their own slot's stage, and are not ordered.
+caller's view, their own slot's stage and the view's own device scratch
+(``ViewTarget.writer_scratch``), and are not ordered.
 
 Caller device tensors that queued work reads (the carry's device hidden, device-route
 inputs) get ``record_stream`` on the current stream through the runtime, so a producer

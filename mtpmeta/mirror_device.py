@@ -148,12 +148,6 @@ class DeviceRoute:
         # [R, 1] gathered blocks.
         self._columns, self._outside, self._gathered = draft_scratch(buffers, 2)
         self._scan = scan_scratch(buffers)  # the lengths' row scan (write_lengths_and_table)
-        # write_mha_metadata's row scan: staged [2, R] int32 lengths, their sums, a 0.
-        requests = buffers.query_lengths.shape[0]
-        writer = torch.zeros(4 * requests + 1, dtype=torch.int32, device=self.device)
-        self._writer_scan = (writer[:2 * requests].view(2, requests),
-                             writer[2 * requests:4 * requests].view(2, requests),
-                             writer[4 * requests:])
         # The loop's depths planned at begin_decode (device_loop.py).
         self.plan = DraftPlan(buffers, block_size=block_size, dummy=dummy,
                               minus_one=minus_one)
@@ -264,15 +258,24 @@ class DeviceRoute:
         return num_prefill
 
     # -------------------------------------------------------------------- writers
-    def _writer_plan(self, f: Any, count: int) -> Tuple[Tensor, Tensor, List[Tensor],
-                                                         List[Tensor]]:
-        """``write_mha_metadata``'s fixed views over ``count`` requests: the staged
-        query and KV rows, and the ``_foreach_copy_`` pairs from them and their sums."""
-        staged, sums, zero = self._writer_scan
+    @staticmethod
+    def _writer_plan(target: ViewTarget, count: int) -> Tuple[Tensor, ...]:
+        """``write_mha_metadata``'s fixed views over ``count`` requests: the staged query
+        and KV rows, the whole ``[2, m]`` staging and sums the row scan takes (``m``:
+        the view's ``max_requests``; in ``target.writer_scratch``, one per view, with a
+        0 after them), and the ``_foreach_copy_`` pairs from them."""
+        m = target.max_requests
+        if target.writer_scratch is None:
+            target.writer_scratch = torch.zeros(4 * m + 1, dtype=torch.int32,
+                                                device=target.device)
+        scratch = target.writer_scratch
+        staged, sums, zero = (scratch[:2 * m].view(2, m), scratch[2 * m:4 * m].view(2, m),
+                              scratch[4 * m:])
         query_in, kv_in = (row[:count] for row in staged.unbind(0))
         query_sums, kv_sums = (row[:count] for row in sums.unbind(0))
+        f = target.fields
         cu_q, cu_kv = f.mha_cu_query_seq_lengths, f.mha_cu_kv_seq_lengths
-        return (query_in, kv_in,
+        return (query_in, kv_in, staged, sums,
                 [f.mha_query_lengths[:count], f.mha_kv_seq_lengths[:count], cu_q[:1],
                  cu_kv[:1], cu_q[1:count + 1], cu_kv[1:count + 1]],
                 [query_in, kv_in, zero, zero, query_sums, kv_sums])
@@ -322,27 +325,26 @@ class DeviceRoute:
     def write_mha_metadata(self, target: ViewTarget, query_lengths: Tensor,
                            kv_lengths: Tensor, count: int, table: Tensor,
                            padded: int) -> None:
-        """Device-op MHA metadata (no read-back; lengths are not checked). Up to ``R``
-        requests and int32 length fields (both layouts'), both cumulative sums are one
-        row scan of a ``[2, R]`` int32 scratch (no workspace on CUDA, as in the draft
-        loops); more requests than ``R`` (a wider view) or other field dtypes take two
-        1-D scans (cub's temporary storage)."""
+        """Device-op MHA metadata (no read-back; lengths are not checked). With int32
+        length fields (both layouts'), both cumulative sums are one row scan of the
+        view's own ``[2, max_requests]`` int32 scratch (no workspace on CUDA, as in the
+        draft loops; per view, since view writers are not stream-ordered); other field
+        dtypes take two 1-D scans (cub's temporary storage)."""
         self._in_use(query_lengths, kv_lengths, table)
         f = target.fields
         cu_q, cu_kv = f.mha_cu_query_seq_lengths, f.mha_cu_kv_seq_lengths
         mha_q, mha_kv, mha_table = f.mha_query_lengths, f.mha_kv_seq_lengths, f.mha_block_table
         num_rows = table.shape[0]
-        requests = self.buffers.query_lengths.shape[0]
-        if 0 < count <= requests and cu_q.dtype is cu_kv.dtype is mha_q.dtype is \
-                mha_kv.dtype is torch.int32:
+        if count and cu_q.dtype is cu_kv.dtype is mha_q.dtype is mha_kv.dtype is \
+                torch.int32:
             plan = target.plans.get(("mha_writer", count))
             if plan is None:
-                plan = self._writer_plan(f, count)
+                plan = self._writer_plan(target, count)
                 target.plans.put(("mha_writer", count), plan)
-            staged_q, staged_kv, dsts, srcs = plan
+            staged_q, staged_kv, staged, sums, dsts, srcs = plan
             staged_q.copy_(query_lengths)
             staged_kv.copy_(kv_lengths)
-            torch.cumsum(self._writer_scan[0], 1, dtype=torch.int32, out=self._writer_scan[1])
+            torch.cumsum(staged, 1, dtype=torch.int32, out=sums)
             torch._foreach_copy_(dsts, srcs)
         else:
             cu_q[:1].zero_()

@@ -17,7 +17,7 @@ from mtpmeta import ContextGPUView
 from mtpmeta.reference import ReferenceGPUView
 
 from tests.helpers import (assert_buffers_equal, assert_views_equal, make_metadata,
-                           make_reference, make_views)
+                           make_reference, make_views, namespace_view)
 
 
 def _pair():
@@ -61,8 +61,9 @@ def test_device_token_maps_send_out_of_table_columns_to_the_dummy_block(device_r
 
 
 def test_device_mha_metadata_matches_reference(device_route, rng):
-    """Lengths of either dtype, 0..R requests (the row-scan route) and, on a view with
-    more request slots than R, past R (the 1-D scans)."""
+    """Lengths of either dtype, 0..R requests, and past R on a view with more request
+    slots than R (the row scan's scratch is the view's own, sized by it); a view with
+    int64 MHA length fields takes the two 1-D scans."""
     meta, ref, view, ref_view = _pair()
     for _ in range(30):
         n = int(rng.integers(0, meta.max_requests + 1))
@@ -85,6 +86,16 @@ def test_device_mha_metadata_matches_reference(device_route, rng):
     meta.write_mha_metadata(wide, q, kv, table, n + 1)
     ref.write_mha_metadata(ref_wide, q, kv, table, n + 1)
     assert_views_equal(wide, ref_wide)
+    long_lengths, ref_long = (namespace_view(meta.max_requests, 64, meta.max_kv_block_count)
+                              for _ in range(2))
+    for view_ in (long_lengths, ref_long):
+        for name in ("mha_query_lengths", "mha_kv_seq_lengths", "mha_cu_query_seq_lengths",
+                     "mha_cu_kv_seq_lengths"):
+            setattr(view_, name, getattr(view_, name).long())
+    n = meta.max_requests
+    meta.write_mha_metadata(long_lengths, q[:n], kv[:n], table, n)
+    ref.write_mha_metadata(ref_long, q[:n], kv[:n], table, n)
+    assert_views_equal(long_lengths, ref_long)
 
 
 @pytest.mark.parametrize("count,pad", [(3, 0), (3, 5), (8, 5), (0, 2)])

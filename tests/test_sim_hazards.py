@@ -639,3 +639,40 @@ def test_draft_loops_scan_their_sums_without_a_workspace(make_sim):
             ref.end_forward()
             assert sim.scan_workspaces == before, sim.scan_log[before:]
         sim.synchronize()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_device_mha_writers_on_two_streams_keep_each_views_values(make_sim, seed):
+    """View writers are not stream-ordered (they touch only the caller's view): two
+    views written by device-route ``write_mha_metadata`` on two streams, each stream's
+    inputs its own, must each get their own lengths and sums, whatever order the device
+    runs the streams in (a scratch shared by the writers would let one stream's staged
+    lengths reach the other's view)."""
+    rng = np.random.default_rng(seed)
+    sim = make_sim(seed, idle=0.9)
+    lanes = [sim.Stream("a"), sim.Stream("b")]
+    with sim:
+        meta, ref, pairs = new_pair(sim, views=2)
+        for _ in range(6):
+            inputs = []
+            for lane, (view, ref_view) in zip(lanes, pairs):
+                n = int(rng.integers(1, R + 1))
+                q = rng.integers(0, 5, size=n).astype(np.int32)
+                kv = rng.integers(0, 30, size=n).astype(np.int32)
+                table = rng.integers(0, R * W, size=(n, W)).astype(np.int32)
+                device_args = [upload(sim, a, lane) for a in (q, kv, table)]
+                inputs.append((lane, view, ref_view, device_args, (q, kv, table), n))
+            sim.synchronize()  # the uploads are the scheduler's
+            for lane, view, _, device_args, _, n in inputs:
+                with sim.stream(lane):
+                    meta.write_mha_metadata(view, *device_args, n)
+            sim.synchronize()
+            for _, view, ref_view, _, host_args, n in inputs:
+                with sim.bypass():
+                    ref.write_mha_metadata(ref_view, *(host(a) for a in host_args), n)
+                for name in ("mha_query_lengths", "mha_kv_seq_lengths",
+                             "mha_cu_query_seq_lengths", "mha_cu_kv_seq_lengths"):
+                    got = sim.peek(getattr(view, name))[:n + 1]
+                    want = sim.peek(getattr(ref_view, name))[:n + 1]
+                    assert torch.equal(got, want.to(got.dtype)), (name, got, want)
+    assert_no_hidden_copies(sim)
