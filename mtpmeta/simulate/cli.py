@@ -7,8 +7,6 @@ import json
 import sys
 from typing import Any, Dict, List, Optional
 
-import torch
-
 from ..bench.usage import ToolParser, device_problem, output_problem, parse, \
     positive_int, usage_error
 from .config import SimConfig
