@@ -22,6 +22,7 @@ from mtpmeta import ContextGPUView, MTPMetadata
 from mtpmeta.bench.callops import counted_step
 from mtpmeta.bench.workload import StepConfig, make_steps, run_step
 from tests.cuda_sim import DEVICE, CudaSim
+from tests.test_sim_hazards import upload
 from tests.upstream_view import UpstreamLayoutView
 
 pytestmark = pytest.mark.skipif(
@@ -39,6 +40,10 @@ STEP_BUDGET = 16  # the standard step, advances not counted
 #: _foreach_copy_ placing draft_head and block_table from it.
 NOW = {"carry": 1, "begin_decode": 2, "depth": 2, "advance": 1, "commit": 2}
 LAYOUTS = {"mtpmeta": ContextGPUView, "upstream": UpstreamLayoutView}
+#: A small step for the simulated-CUDA checks (``block_columns`` varied by one of them).
+SIM_STEP = StepConfig(max_requests=24, block_columns=8, block_size=4, active=17,
+                      depths=3, prefill_tokens=12, inherited_blocks=1, moves=2, swaps=1,
+                      resets=2)
 
 
 def _build(config: StepConfig, layout: str):
@@ -84,9 +89,7 @@ def test_draft_depth_ops_and_h2d_bytes_do_not_grow_with_the_table_width(layout):
     shipped a [padded, W] table through the host at every depth."""
     per_width = {}
     for width in (8, 512):
-        config = StepConfig(max_requests=24, block_columns=width, block_size=4, active=17,
-                            depths=3, prefill_tokens=12, inherited_blocks=1, moves=2,
-                            swaps=1, resets=2)
+        config = replace(SIM_STEP, block_columns=width)
         steps = make_steps(config, 2, seed=5)
         with CudaSim(seed=3) as sim:
             meta = MTPMetadata(**config.metadata_kwargs())
@@ -122,19 +125,18 @@ def test_every_foreach_copy_takes_cudas_fused_path(layout, graphed):
     device-input ``write_mha_metadata``, on both layouts."""
     from mtpmeta.buffers import PLANNED_DEPTHS
 
-    config = StepConfig(max_requests=24, block_columns=8, block_size=4, active=17,
-                        depths=3, prefill_tokens=12, inherited_blocks=1, moves=2,
-                        swaps=1, resets=2, graphed=graphed)
+    config = replace(SIM_STEP, graphed=graphed)
     steps = make_steps(config, 3, seed=7)
     with CudaSim(seed=4) as sim:
         meta = MTPMetadata(**config.metadata_kwargs())
         meta.allocate("cpu", mirror=True)
-        view = LAYOUTS[layout](config.max_requests, config.max_tokens, 8, "cpu")
+        view = LAYOUTS[layout](config.max_requests, config.max_tokens,
+                               config.block_columns, "cpu")
         for inputs in steps:
             run_step(meta, view, inputs, config)
         host_route = sim.foreach_copies
         first = steps[0]
-        starts, table = (torch.empty(host.shape, dtype=host.dtype).copy_(host)
+        starts, table = (upload(sim, host.numpy())
                          for host in (first.start_positions, first.block_table))
         assert sim.kind(starts) == sim.kind(table) == DEVICE
         meta.begin_decode(config.active, config.padded_active, starts.clamp_(max=4),
