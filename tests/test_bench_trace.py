@@ -11,14 +11,16 @@ from dataclasses import fields
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import mtpmeta.bench.trace_bench as trace_bench
 import mtpmeta.bench.trace_replay as trace_replay
 from mtpmeta.bench import cli as bench_cli
 from mtpmeta.bench.meta_device import cpp_meta_kernels, python_meta_active
 from mtpmeta.bench.opcount import OpCounter
-from mtpmeta.bench.trace import PRODUCTION_TRACE, STANDARD_TRACE, make_trace, \
-    trace_shape_stats
+from mtpmeta.bench.trace import PRODUCTION_TRACE, STANDARD_TRACE, TraceConfig, \
+    make_trace, trace_shape_stats
 from mtpmeta.bench.trace_replay import CountingRuntime, Replay, check_trace, known_syncs
 from mtpmeta.runtime import use_runtime
 
@@ -77,6 +79,56 @@ def test_production_trace_spans_its_batch_range():
 
 def test_replay_leaves_every_path_byte_equal_to_the_reference(standard):
     assert check_trace(STANDARD_TRACE, standard[:24]) is None
+
+
+@st.composite
+def _small_traces(draw):
+    """A small geometry (R 1..32, W 2..16, BS 4..16, K 1..3) whose starting rows fit,
+    lengths scaled to the rows."""
+    rows = draw(st.sampled_from([1, 3, 4, 8, 13, 32]))
+    width = draw(st.sampled_from([2, 4, 8, 16]))
+    block = draw(st.sampled_from([4, 8, 16]))
+    depths = draw(st.integers(1, 3))
+    if width * block < 3 * depths + 4:
+        width = 4
+    active = draw(st.integers(0, rows))
+    tokens = width * block
+    return TraceConfig(max_requests=rows, block_columns=width, block_size=block,
+                       depths=depths, steps=16, start_active=active,
+                       start_paused=draw(st.integers(0, rows - active)),
+                       chunk_tokens=draw(st.sampled_from([8, 24, 64])),
+                       prompt_median=tokens / 4, output_median=tokens / 2,
+                       context_median=tokens / 3, hidden_size=8,
+                       arrival_rate=draw(st.sampled_from([0.2, 1.0, 3.0])),
+                       swap_rate=draw(st.sampled_from([0.0, 0.5])))
+
+
+@settings(max_examples=25, deadline=None)
+@given(config=_small_traces(), seed=st.integers(0, 2**16))
+def test_small_geometry_traces_replay_equal_to_the_reference(config, seed):
+    """The engine model on a few rows and columns (every row busy, no row busy, R
+    under the bucket of 8): each path, with and without counts and with device inputs,
+    leaves the reference's view and buffers on every step."""
+    trace = make_trace(config, seed=seed)
+    assert len(trace) == config.steps
+    assert all(s.padded <= config.max_requests and s.padded_requests
+               <= config.max_requests for s in trace)
+    assert check_trace(config, trace) is None
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"start_active": 6, "start_paused": 3}, "max_requests 8"),
+    ({"start_active": -1}, "start_active -1"),
+    ({"block_columns": 1, "block_size": 4}, "4 tokens per row"),
+    ({"chunk_tokens": 0}, "chunk_tokens 0"),
+    ({"pool_columns": 1, "block_columns": 64, "context_median": 200.0}, "block pool"),
+])
+def test_trace_refuses_a_geometry_its_engine_cannot_run(change, named):
+    config = TraceConfig(**{**TraceConfig().__dict__, "max_requests": 8, "block_columns": 8,
+                            "block_size": 16, "start_active": 4, "start_paused": 1,
+                            "steps": 8, **change})
+    with pytest.raises(ValueError, match=named):
+        make_trace(config)
 
 
 def test_agreement_check_catches_a_path_given_another_table(standard, monkeypatch):

@@ -161,13 +161,22 @@ class _Engine:
             self.table[row, :len(request.blocks)] = request.blocks
         self.dirty.add(row)
 
+    def take_blocks(self, request: _Request, count: int) -> None:
+        """Append ``count`` blocks of the pool to ``request``'s."""
+        if count > len(self.free):
+            c = self.c
+            raise ValueError(f"the block pool (max_requests {c.max_requests} * "
+                             f"{c.pool_columns or c.block_columns} pool columns) ran out: "
+                             "widen pool_columns or shorten the requests")
+        request.blocks.extend(self.free.pop() for _ in range(count))
+
     def grow(self, row: int, request: _Request, tokens: int) -> None:
         """Append blocks until ``request`` (at ``row``) covers ``tokens`` positions."""
         need = -(-tokens // self.c.block_size)
         have = len(request.blocks)
         if have >= need:
             return
-        request.blocks.extend(self.free.pop() for _ in range(need - have))
+        self.take_blocks(request, need - have)
         self.table[row, have:need] = request.blocks[have:need]
         self.counts[row] = need
         self.dirty.add(row)
@@ -179,8 +188,7 @@ class _Engine:
             request.prompt = int(self.lengths(c.context_median, 1)[0])
             request.ctx = request.prompt
             request.made = int(self.rng.integers(0, max(request.output, 1)))
-            request.blocks = [self.free.pop() for _ in
-                              range(-(-(request.ctx + c.depths + 1) // c.block_size))]
+            self.take_blocks(request, -(-(request.ctx + c.depths + 1) // c.block_size))
             (self.decode if index < c.start_active else self.paused).append(request)
         for row, request in enumerate(self.decode):
             self.set_row(row, request)
@@ -226,9 +234,9 @@ def _compact(engine: _Engine) -> Tuple[List[int], List[int], List[int]]:
 def _swap(engine: _Engine) -> Tuple[List[int], List[int]]:
     """Pause/resume pairs: decode row ``i`` swaps with paused row ``R - 1 - j``."""
     c, rng = engine.c, engine.rng
-    if not engine.paused or rng.random() >= c.swap_rate:
+    if not engine.paused or rng.random() >= c.swap_rate or not engine.decode:
         return [], []
-    pairs = int(rng.integers(1, min(3, len(engine.paused)) + 1))
+    pairs = int(rng.integers(1, min(3, len(engine.paused), len(engine.decode)) + 1))
     rows = rng.choice(len(engine.decode), size=pairs, replace=False)
     slots = rng.choice(len(engine.paused), size=pairs, replace=False)
     src, dst = [], []
@@ -319,14 +327,33 @@ def _step(engine: _Engine, bucket: int) -> TraceStep:
         inherited=torch.from_numpy(inherited)[:P],
         padded_tokens=round_up(tokens, bucket),
         padded_requests=min(round_up(P, bucket), R),
-        carry=carry, active=n, padded=round_up(n, bucket),
+        carry=carry, active=n, padded=min(round_up(n, bucket), R),
         start_positions=torch.from_numpy(draft_starts)[:n],
         block_counts=torch.from_numpy(engine.counts.copy()))
 
 
+def _check_config(c: TraceConfig) -> None:
+    """Refuse a geometry the engine model cannot run: the starting requests need a row
+    each, and a row must hold a request of at least one token with room for the draft
+    depths (``_Engine.limit``)."""
+    rows = c.start_active + c.start_paused
+    if c.start_active < 0 or c.start_paused < 0 or rows > c.max_requests:
+        raise ValueError(f"start_active {c.start_active} + start_paused {c.start_paused} "
+                         f"must be in [0, max_requests {c.max_requests}]")
+    tokens = c.block_columns * c.block_size
+    need = c.depths + 2 * (c.depths + 1) + 2
+    if tokens < need:
+        raise ValueError(f"block_columns {c.block_columns} * block_size {c.block_size} "
+                         f"= {tokens} tokens per row: depths {c.depths} need >= {need}")
+    if c.chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens {c.chunk_tokens} must be >= 1")
+
+
 def make_trace(config: TraceConfig = STANDARD_TRACE, steps: Optional[int] = None,
                seed: int = 0) -> List[TraceStep]:
-    """``steps`` (default ``config.steps``) trace steps from ``default_rng(seed)``."""
+    """``steps`` (default ``config.steps``) trace steps from ``default_rng(seed)``.
+    A geometry that cannot hold its traffic raises ``ValueError`` naming the bound."""
+    _check_config(config)
     rng = np.random.default_rng(seed)
     engine = _Engine(config, rng)
     engine.seed_batch()
