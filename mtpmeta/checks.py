@@ -272,20 +272,29 @@ def check_begin_decode(geo: Geometry, active_request_count: Any, padded_count: A
 
 
 def check_draft_blocks(geo: Geometry, target: ViewTarget, offsets: np.ndarray,
-                       table: np.ndarray, count: int) -> None:
+                       table: np.ndarray, count: int,
+                       counts: Optional[np.ndarray] = None) -> None:
     """One draft depth's table rows, on the host copy of the draft state (offsets int32
-    [R], table [R, W] of block_table_dtype): when ``block_table_dtype`` holds more than the view's
-    ``mha_block_table``, every entry of the rows ``[:count]`` (copied there whole) fits
-    it. The block each real row writes is checked by the depth's kernel itself
-    (``native.staging.decode_step_maps``; ``raise_draft_block`` names a refusal), and
-    here first only with such a wide table, so that its refusal is the one named."""
+    [R], table [R, W] of block_table_dtype, or a counted or derived begin's packed
+    ``[n, C]`` rows; ``counts`` as in ``raise_draft_block``): when
+    ``block_table_dtype`` holds more than the view's ``mha_block_table``, every entry of
+    the rows ``[:count]`` (copied there whole) fits it. The block each real row writes
+    is checked by the depth's kernel itself (``native.staging.decode_step_maps``;
+    ``raise_draft_block`` names a refusal), and here first only with such a wide table,
+    so that its refusal is the one named. A row whose column lies past packed rows is
+    past its count (a -1 column for derived counts): refused here in row order too."""
     low, high = geo.table_range
     row_low, row_high = target.table_block_range
     if low < row_low or high > row_high:
         row = _first_bad_draft_block(offsets, table, count, geo.block_size_tokens,
                                      target.token_block_range[1])
+        if table.shape[1] < geo.max_kv_block_count:  # packed: rows past C come first
+            past = np.flatnonzero(offsets[:count] // geo.block_size_tokens
+                                  >= table.shape[1])
+            if past.size and (row < 0 or int(past[0]) < row):
+                row = int(past[0])
         if row >= 0:
-            raise_draft_block(geo, target, offsets, table, row)
+            raise_draft_block(geo, target, offsets, table, row, counts)
         _scan_rows_fit(table, count, target.table_block_range, _DRAFT_TABLE,
                        "gpu_view.mha_block_table dtype", target.fields.mha_block_table.dtype)
 
@@ -295,10 +304,13 @@ def raise_draft_block(geo: Geometry, target: ViewTarget, offsets: np.ndarray,
                       counts: Optional[np.ndarray] = None) -> None:
     """Name the draft row whose written block the depth's kernel refused (``-2 - row``):
     at or past its opt-in block count (``counts``, None without), negative
-    (unallocated) or past ``token_to_block_idx``."""
+    (unallocated) or past ``token_to_block_idx``. ``table`` may be packed ``[n, C]``
+    rows: past ``C`` a counted begin's row is past its count (raised first) and a
+    derived begin's holds -1, the caller's value there."""
     raise_past_count(geo, target, offsets, table, counts, row)
     column = int(offsets[row]) // geo.block_size_tokens
-    _raise_written_block(_DRAFT_TABLE, int(table[row, column]), row, column,
+    block = int(table[row, column]) if column < table.shape[1] else -1
+    _raise_written_block(_DRAFT_TABLE, block, row, column,
                          f"draft row {row} (offset {int(offsets[row])})", target)
 
 

@@ -60,6 +60,12 @@ class DirectBackend:
             native.draft_state.advance_offsets, (self.host_offsets, 0)), self.host_offsets)
         self._commit_tail: Tuple[Optional[ViewTarget], tuple] = (None, ())  # the same
 
+    @property
+    def named_counts(self) -> Optional[np.ndarray]:
+        """The counts a draft depth's refusal names: a counted begin's, else None."""
+        counts = self.host_block_counts
+        return None if counts is self._full_counts else counts
+
     # ------------------------------------------------------------------ draft loop
     def begin_decode(self, count: int, start_positions: np.ndarray,
                      table_src: np.ndarray, block_counts: Optional[np.ndarray] = None

@@ -190,12 +190,12 @@ class DraftLoop:
             self._refuse_stale("setup_decode_step")
         if self._memo.narrow_table and backend.host_offsets_known:  # else no scan
             check_draft_blocks(self._geometry, target, backend.host_offsets,
-                               backend.host_block_table, count)
+                               backend.host_block_table, count, backend.named_counts)
         max_kv = backend.decode_step(target, count, padded, self.graphed)
         if max_kv < -1:  # the kernel found a bad written block and wrote nothing
             raise_draft_block(self._geometry, target, backend.host_offsets,
                               backend.host_block_table, -2 - max_kv,
-                              backend.host_block_counts)
+                              backend.named_counts)
         if max_kv < 0:  # the kernel found a bad offset and wrote nothing
             raise_position_error(self._geometry, "active_offsets", backend.host_offsets,
                                  count)

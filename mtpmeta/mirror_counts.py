@@ -35,12 +35,13 @@ each row's count from the table itself, the columns before its trailing run of -
 host writes only those columns, not whole rows; the device table and the view stay the
 caller's bit for bit.
 
-* begin: the slot's whole ``[n, W]`` rows are the host truth and ship as a plain
-  begin's (2 device data ops, the commit's row reuse intact), but they are written by
-  ``stage_counted_inputs`` with -1 as the fill: each row's used columns, and -1 only
-  over the columns this slot's last rows used past them (a slot known at ``(W, -1)``;
-  any other write of the slot forgets it). So the columns past the blocks are read,
-  never written, once the slots are warm; the H2D copy still moves whole rows.
+* begin: the counted begin with -1, not ``D``, past the counts: packed ``[n, C]``
+  rows (``C`` the bucket of the largest used count) are the host truth and the only
+  table bytes that cross (a quarter of whole rows' at production: about 1.3 against
+  5.3 MB per step), placed in ``block_table[:n, :C]`` with -1 over ``[:n, C:]``:
+  4 device data ops (3 at ``C = W``), no row reused by the commit pass. A depth whose
+  row writes a column at or past ``C`` holds -1 there, as the caller's table does, and
+  is refused as on whole rows, in row order (``checks.check_draft_blocks``).
 * commit: the counted pass with -1, not ``D``, past the counts: packed ``[m, C]``
   rows, whole rows of -1 from the device block of -1 (of ``D`` for the pad request),
   3 data ops; no row is reused from the device. A token that writes a -1 column is
@@ -92,24 +93,27 @@ class CountedStaging:
         self._dummy_rows: Optional[torch.Tensor] = None  # [R * W] int32 of D, lazily
         self._packed_view_cache: dict = {}  # (begin slot, C) -> _packed_views
         # Per begin slot: the (C, fill) its packed rows were last written at, how many
-        # leading rows are known, and each known row's count (fill from it to C).
-        # Every slot starts as whole rows of -1 (each row's count 0), so the first
-        # derived begin in a slot writes only its rows' used columns, as later ones do.
+        # leading rows are known (none at first), and each known row's count (fill
+        # from it to C).
         slots = self._begin_ring.num_slots
-        for _, table_np in self._begin_arrays:
-            table_np.fill(-1)
-        self._packed_columns = [(width, -1)] * slots  # (C, fill) per slot
-        self.begin_derived = False  # the last begin wrote its slot's rows by used columns
-        self._packed_rows = [max_requests] * slots
+        self._packed_columns = [(0, 0)] * slots  # (C, fill) per slot; C >= 1 once written
+        self.begin_derived = False  # the last begin was a counted one on derived counts
+        self._packed_rows = [0] * slots
         self._packed_widths = [np.zeros(max_requests, dtype=np.int32) for _ in range(slots)]
 
     def _begin_counted(self, count: int, start_positions: np.ndarray,
-                       table_src: np.ndarray, block_counts: np.ndarray) -> None:
-        """The begin with counts (offsets already checked); module docstring."""
+                       table_src: np.ndarray, block_counts: np.ndarray,
+                       fill: Optional[int] = None, largest: Optional[int] = None) -> None:
+        """The begin with counts (offsets already checked); module docstring. ``fill``:
+        the rows' value past their counts (``D``; -1 for derived counts, which are the
+        caller's table); ``largest``: the largest count when the caller knows it."""
         width = self._width
-        columns = column_bucket(int(_min_max(block_counts, count)[1]), width)
+        fill = self.dummy if fill is None else fill
+        if largest is None:
+            largest = int(_min_max(block_counts, count)[1])
+        columns = column_bucket(largest, width)
         slot = self._stage_packed(count, start_positions, table_src, block_counts,
-                                  columns)
+                                  columns, fill)
         head_t = self._begin_tensors[slot][0]
         self._prefix("draft_head", self.buffers.draft_head, 0, count + 1).copy_(
             self._prefix(("begin_head", slot), head_t, 0, count + 1), non_blocking=True)
@@ -119,9 +123,16 @@ class CountedStaging:
             landing.copy_(staged[:count], non_blocking=True)
             first_columns[:count].copy_(landing)
             if past_columns is not None:
-                past_columns[:count].fill_(self.dummy)
+                past_columns[:count].fill_(fill)
         self._begin_ring.release(slot)
         self._device_table_rows = 0  # _reuse_table holds packed rows, not [R, W] ones
+
+    @property
+    def named_counts(self) -> Optional[np.ndarray]:
+        """The counts a draft depth's refusal names: the caller's (a counted begin),
+        else None (whole rows, or derived counts: the caller passed none)."""
+        return None if self.begin_derived or self.host_block_counts is \
+            self._full_counts else self.host_block_counts
 
     def _packed_views(self, slot: int, columns: int) -> tuple:
         """``[R, C]`` views of a counted begin at ``C = columns``: begin ``slot``'s
@@ -143,14 +154,15 @@ class CountedStaging:
 
     def _stage_packed(self, count: int, start_positions: np.ndarray,
                       table_src: np.ndarray, block_counts: np.ndarray,
-                      columns: int) -> int:
-        """Take a begin slot and stage the head and the packed ``[n, C]`` rows (``D``
-        from each row's count to ``C``) there; they become the draft loop's host truth.
-        Returns the slot (released by the caller once its copies are issued)."""
+                      columns: int, fill: int) -> int:
+        """Take a begin slot and stage the head and the packed ``[n, C]`` rows
+        (``fill`` from each row's count to ``C``) there; they become the draft loop's
+        host truth. Returns the slot (released by the caller once its copies are
+        issued)."""
         slot = self._begin_ring.acquire()
         head_np, table_np = self._begin_arrays[slot]
         packed = table_np.reshape(-1)[:count * columns].reshape(count, columns)
-        self._write_slot_rows(slot, packed, self.dummy, count, start_positions,
+        self._write_slot_rows(slot, packed, fill, count, start_positions,
                               table_src, block_counts)
         captured.stage_count(head_np, count)
         self.host_offsets[:count] = head_np[1:count + 1]
@@ -176,17 +188,14 @@ class CountedStaging:
 
     def _begin_derived(self, count: int, start_positions: np.ndarray,
                        table_src: np.ndarray) -> bool:
-        """The default begin of a wide table (module docstring, "Derived counts"):
-        the slot's whole rows, written over each row's used columns and the columns the
-        slot's last rows used past them only (never more than a copy writes, however
-        many columns the rows use: the read is done)."""
+        """The default begin of a wide table (module docstring, "Derived counts"): the
+        counted begin with each row's used columns as its count and -1 past them, so
+        the device table is the caller's bit for bit and only ``[n, C]`` rows cross."""
         used = self._counts
-        native.draft_state.used_columns(table_src, count, used)
-        slot = self._begin_ring.acquire()
-        head_np, table_np = self._begin_arrays[slot]
-        self._write_slot_rows(slot, table_np, -1, count, start_positions, table_src, used)
+        largest = native.draft_state.used_columns(table_src, count, used)
+        self._begin_counted(count, start_positions, table_src, used, -1, int(largest))
         self.begin_derived = True
-        return self._staged_begin(slot, count, head_np, table_np)
+        return True
 
     def _packed_refusal(self, count: int, status: int) -> int:
         """A depth's refusal ``status`` (``decode_step_maps``'s, offsets already in

@@ -164,11 +164,12 @@ def test_a_depth_on_a_minus_one_column_is_refused_as_on_whole_rows(column, row,
 @pytest.mark.skipif(os.environ.get("MTPMETA_DEBUG") == "1",
                     reason="MTPMETA_DEBUG=1: the checks issue ops of their own")
 def test_wide_calls_pack_at_the_default_threshold_within_their_op_budgets():
-    """R 64, W 2048 (n W >= DERIVED_MIN_ENTRIES): the begin's host truth is its slot's
-    whole rows, equal to the caller's, and so are the device rows; once the slots are
-    warm a begin writes only the columns its rows use or used; it costs 2 device data
-    ops, as a whole-row one, a commit pass 3 (one more: the whole rows of -1), within
-    its budget of 4; no read-back and no new storage."""
+    """R 64, W 2048 (n W >= DERIVED_MIN_ENTRIES): the begin's host truth is the packed
+    ``[n, C]`` rows of the caller's table (C the bucket of the most columns a row uses,
+    -1 past each row's), and the device rows are the caller's whole rows; a begin costs
+    4 device data ops (head, packed rows, their placement, -1 past C), a commit pass 3
+    (packed rows, their placement, whole rows of -1), within its budget of 4; no
+    read-back and no new storage."""
     rows, width = 64, 2048
     kwargs = config(max_requests=rows, max_kv_block_count=width, block_size_tokens=BS)
     meta = MTPMetadata(**kwargs)
@@ -187,11 +188,12 @@ def test_wide_calls_pack_at_the_default_threshold_within_their_op_budgets():
         with OpCounter() as counter:
             meta.begin_decode(n, n, starts, table, False)
         if round_:
-            assert counter.data_ops == 2, counter.ops
+            assert counter.data_ops == 4, counter.ops
             assert counter.scalar_reads == 0 and counter.new_storages == 0, counter.ops
         backend = meta._backend
         assert backend.begin_derived
-        assert np.array_equal(backend.host_block_table[:n], table[:n])
+        assert backend.host_block_table.shape == (n, 8)  # bucket of 6 used columns
+        assert np.array_equal(backend.host_block_table, table[:n, :8])
         assert np.array_equal(meta.block_table[:n].numpy(), table[:n])
         meta.end_forward()
         spans = np.ones(n, np.int32)
@@ -209,8 +211,9 @@ def test_wide_calls_pack_at_the_default_threshold_within_their_op_budgets():
     table[0, width - 1] = 5  # a row with no -1 tail: all its columns, read once
     with OpCounter() as counter:
         meta.begin_decode(n, n, starts, table, False)
-    assert counter.data_ops == 2, counter.ops
+    assert counter.data_ops == 3, counter.ops  # C = W: no -1 past C to write
     assert meta._backend.begin_derived
+    assert np.array_equal(meta._backend.host_block_table, table[:n])
     assert np.array_equal(meta.block_table[:n].numpy(), table[:n])
     meta.end_forward()
     with OpCounter() as counter:  # packed at C = W, still 3 ops, nothing reused
