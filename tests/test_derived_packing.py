@@ -3,11 +3,10 @@
 least ``DERIVED_MIN_ENTRIES`` entries and ``DERIVED_MIN_WIDTH`` columns
 (``mirror_counts.derives``) writes each row only up to its trailing run of -1.
 
-Both read the whole table once (``native.draft_state.used_columns``). A begin then
-writes its slot's whole rows by their used columns (-1 only over the columns the
-slot's last rows used past them) and ships them as a plain begin; a commit pass ships
-packed ``[m, C]`` rows and the device rows get -1 past ``C`` (``D`` for the pad
-request). The contract is unchanged: the view, the ForwardShape and every buffer equal
+Both read the whole table once (``native.draft_state.used_columns``), then ship
+packed rows (``[n, C]`` for a begin, ``[m, C]`` for a commit pass; each row's used
+columns, -1 after them) and the device rows get -1 past ``C`` (``D`` for a commit
+pass's pad request). The contract is unchanged: the view, the ForwardShape and every buffer equal
 the reference's on the raw table after every depth and pass, and a depth or pass that
 writes a -1 block is refused with the very message of a whole-row call, nothing
 changed. The oracle tests force the route on small tables (both thresholds 0,

@@ -71,8 +71,8 @@ def _calls(replay: Replay, index: int, step):
 
 def test_packed_calls_launch_within_budget_and_never_sync():
     """A wide commit pass and begin never sync (``set_sync_debug_mode("error")``); a
-    wide begin launches at most 3 kernels or copies and a wide commit pass at most 4
-    (the op budgets)."""
+    wide begin launches at most 4 kernels or copies (head, packed rows, their
+    placement, -1 past ``C``) and a wide commit pass at most 4 (the op budgets)."""
     trace = make_trace(PRODUCTION_TRACE, 5)
     ours = Replay("mirror", PRODUCTION_TRACE, CUDA)
     for index, step in enumerate(trace[:3]):
@@ -92,4 +92,4 @@ def test_packed_calls_launch_within_budget_and_never_sync():
     launches = (_device_activity(commit), _device_activity(begin))
     if launches == (0, 0):
         pytest.skip("the profiler recorded no CUDA activity (CUPTI not permitted?)")
-    assert 0 < launches[0] <= 4 and 0 < launches[1] <= 3, launches
+    assert 0 < launches[0] <= 4 and 0 < launches[1] <= 4, launches
