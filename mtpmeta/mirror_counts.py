@@ -12,7 +12,8 @@ commit ships a bucketed end (``CommitStage._packed_end``).
 * begin: the pinned begin slot's table region holds the packed ``[n, C]`` rows; one
   H2D copy lands them in the private ``_reuse_table``'s storage (as a flat scratch),
   one device copy places them in ``block_table[:n, :C]`` and one fill writes ``D`` over
-  ``[:n, C:]``: 4 data ops with the head's H2D, one more than without counts. The
+  ``[:n, C:]``: 4 data ops with the head's H2D, two more than without counts (at
+  ``C = W`` the rows are ``block_table[:n]``'s layout and land there: 2). The
   packed rows are the draft loop's host truth (``host_block_table``, ``[n, C]``: the
   used entries, ``D`` up to ``C``; the columns past ``C`` hold ``D`` by definition),
   kept so at O(used) cost by per-slot widths (``native.draft_state.
@@ -38,10 +39,11 @@ caller's bit for bit.
 * begin: the counted begin with -1, not ``D``, past the counts: packed ``[n, C]``
   rows (``C`` the bucket of the largest used count) are the host truth and the only
   table bytes that cross (a quarter of whole rows' at production: about 1.3 against
-  5.3 MB per step), placed in ``block_table[:n, :C]`` with -1 over ``[:n, C:]``:
-  4 device data ops (3 at ``C = W``), no row reused by the commit pass. A depth whose
-  row writes a column at or past ``C`` holds -1 there, as the caller's table does, and
-  is refused as on whole rows, in row order (``checks.check_draft_blocks``).
+  5.3 MB per step), placed in ``block_table[:n, :C]`` with -1 over ``[:n, C:]``: 4
+  device data ops (2 at ``C = W``, whose rows land in place), no row reused by the
+  commit pass. A depth whose row writes a column at or past ``C`` holds -1 there, as
+  the caller's table does, and is refused as on whole rows, in row order
+  (``checks.check_draft_blocks``).
 * commit: the counted pass with -1, not ``D``, past the counts: packed ``[m, C]``
   rows, whole rows of -1 from the device block of -1 (of ``D`` for the pad request),
   3 data ops; no row is reused from the device. A token that writes a -1 column is
@@ -119,10 +121,12 @@ class CountedStaging:
             self._prefix(("begin_head", slot), head_t, 0, count + 1), non_blocking=True)
         if count:
             staged, landing, first_columns, past_columns = self._packed_views(slot, columns)
-            landing = landing[:count]
-            landing.copy_(staged[:count], non_blocking=True)
-            first_columns[:count].copy_(landing)
-            if past_columns is not None:
+            if past_columns is None:  # C = W: the packed rows are block_table's layout
+                first_columns[:count].copy_(staged[:count], non_blocking=True)
+            else:  # a strided destination: land contiguous, then place
+                landing = landing[:count]
+                landing.copy_(staged[:count], non_blocking=True)
+                first_columns[:count].copy_(landing)
                 past_columns[:count].fill_(fill)
         self._begin_ring.release(slot)
         self._device_table_rows = 0  # _reuse_table holds packed rows, not [R, W] ones

@@ -369,8 +369,8 @@ def test_counted_calls_ship_only_the_bucket_columns():
 
 @no_debug
 @pytest.mark.parametrize("path", PATHS)
-def test_counted_calls_cost_one_device_op_more_and_no_sync_or_allocation(path):
-    """Per call after a warm-up: the mirror path's counted begin 4 data ops (3
+def test_counted_calls_stay_within_their_op_budgets_with_no_sync_or_allocation(path):
+    """Per call after a warm-up: the mirror path's counted begin 4 data ops (2
     without), a depth 2, a counted commit pass 3 (2 without); no scalar read-back and
     no new storage anywhere; the direct path issues no device op at all."""
     width = 64  # counts of at most W = 6 blocks: C = 8 < 64
