@@ -66,6 +66,19 @@ def column_bucket(max_count: int, width: int) -> int:
     return columns if columns < width else width
 
 
+def first_row_past_packed(offsets: np.ndarray, count: int, block_size: int,
+                          columns: int, row: int) -> int:
+    """The draft row a whole-row depth refuses first when the host truth is packed
+    ``[n, C]`` rows (``C = columns``): the earlier of ``row`` (-1: none) and the first
+    row ``i < count`` whose column ``offsets[i] // block_size`` lies at or past ``C``
+    (past its count; -1 there for derived counts), which the packed rows cannot
+    hold. offsets: int32 [>= count]."""
+    past = np.flatnonzero(offsets[:count] // block_size >= columns)
+    if past.size and (row < 0 or int(past[0]) < row):
+        return int(past[0])
+    return row
+
+
 def raise_past_count(geo: Any, target: ViewTarget, offsets: np.ndarray,
                      table: np.ndarray, counts: Optional[np.ndarray], row: int) -> bool:
     """Name a draft depth's refusal of row ``row`` when its block column is at or past

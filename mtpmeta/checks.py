@@ -32,8 +32,8 @@ from .check_bounds import (CarryStatus, TokenStatus, _check_block_column,
                            _raise_commit_status, _raise_inherited_range,
                            _raise_written_block, _scan_rows_fit, _shortest_token_field,
                            check_padded, check_rows_fit)
-from .block_counts import (as_block_counts, check_commit_counts, raise_past_count,
-                           refuse_device_table)
+from .block_counts import (as_block_counts, check_commit_counts, first_row_past_packed,
+                           raise_past_count, refuse_device_table)
 from .errors import ChunkCarryError, InvalidDtypeError
 from .gpu_view import ViewTarget
 from .inputs import (INT32_LIMIT, INT64_MAX, as_count, as_host_counts, as_host_ints,
@@ -288,11 +288,9 @@ def check_draft_blocks(geo: Geometry, target: ViewTarget, offsets: np.ndarray,
     if low < row_low or high > row_high:
         row = _first_bad_draft_block(offsets, table, count, geo.block_size_tokens,
                                      target.token_block_range[1])
-        if table.shape[1] < geo.max_kv_block_count:  # packed: rows past C come first
-            past = np.flatnonzero(offsets[:count] // geo.block_size_tokens
-                                  >= table.shape[1])
-            if past.size and (row < 0 or int(past[0]) < row):
-                row = int(past[0])
+        if table.shape[1] < geo.max_kv_block_count:  # packed: rows past C count too
+            row = first_row_past_packed(offsets, count, geo.block_size_tokens,
+                                        table.shape[1], row)
         if row >= 0:
             raise_draft_block(geo, target, offsets, table, row, counts)
         _scan_rows_fit(table, count, target.table_block_range, _DRAFT_TABLE,

@@ -63,7 +63,7 @@ import numpy as np
 import torch
 
 from . import captured, native
-from .block_counts import column_bucket, counted_commit
+from .block_counts import column_bucket, counted_commit, first_row_past_packed
 from .gpu_view import ViewTarget
 
 __all__ = ["CountedStaging", "DERIVED_MIN_ENTRIES", "DERIVED_MIN_WIDTH", "derives"]
@@ -209,10 +209,9 @@ class CountedStaging:
         columns = self.host_block_table.shape[1]
         if columns == self._width:
             return status
-        past = np.flatnonzero(self.host_offsets[:count] // self.block_size >= columns)
-        if past.size and (status == -1 or int(past[0]) < -2 - status):
-            return -2 - int(past[0])
-        return status
+        row = first_row_past_packed(self.host_offsets, count, self.block_size, columns,
+                                    -1 if status == -1 else -2 - status)
+        return status if row < 0 else -2 - row
 
     def _commit_counted(self, target: ViewTarget, counts: np.ndarray,
                         starts: Optional[np.ndarray], table: np.ndarray,
