@@ -17,11 +17,17 @@ import torch
 
 from .runtime import DeviceRuntime, get_runtime
 
-__all__ = ["PersistentBuffers", "BUFFER_NAMES", "PLANNED_DEPTHS"]
+__all__ = ["PersistentBuffers", "BUFFER_NAMES", "PLANNED_DEPTHS", "head_offset"]
 
 #: Draft depths the device-input route precomputes at ``begin_decode``
 #: (``mtpmeta.device_loop``); its int32 rows share one allocation with ``draft_head``.
 PLANNED_DEPTHS = 8
+
+def head_offset(max_requests: int) -> int:
+    """Index of ``draft_head`` (``draft_count``, then ``offsets``) in ``draft_plan``: the
+    last entry of the ``[PLANNED_DEPTHS + 1, R + 1]`` sums that start the block."""
+    return (PLANNED_DEPTHS + 1) * (max_requests + 1) - 1
+
 
 # The buffers contract §1 names, as MTPMetadata exposes them (None when not allocated).
 BUFFER_NAMES = ("request_matched_prefix_blocks", "offsets", "block_table", "query_lengths",
@@ -47,10 +53,11 @@ class PersistentBuffers:
     draft_count: Optional[torch.Tensor] = None
     draft_head: Optional[torch.Tensor] = None  # [R + 1] int32: draft_count, offsets
     # Flat int32 device block of the device-input route's depth plan (mtpmeta.device_loop):
-    # [R + 1] cumulative-query scratch, then draft_head, then the rest of
-    # [2, PLANNED_DEPTHS + 1, R + 1] rows whose row [0, 0] is draft_head. So one op
-    # writes draft_count with the cumulative query lengths, and one writes offsets
-    # with the planned positions.
+    # the [PLANNED_DEPTHS + 1, R + 1] cumulative sums (each depth's KV sums, then the
+    # query sums), whose last entry is draft_count, overlapping the
+    # [2, PLANNED_DEPTHS + 2, R + 1] position rows whose row [0, 0] is draft_head
+    # (``head_offset``). So one scan writes draft_count with every cumulative sum, and
+    # one op writes offsets with the planned positions.
     draft_plan: Optional[torch.Tensor] = None
     # [2, R] int32, device: query_lengths and kv_lengths as its rows (one row scan
     # gives both cumulative sums).
@@ -68,10 +75,10 @@ class PersistentBuffers:
         # [2, R] int32: query and KV length staging side by side, so a copy of both
         # rows of a prefix is one strided op.
         lengths = torch.zeros((2, max_requests), dtype=torch.int32, device=device)
-        row = max_requests + 1
-        plan = torch.zeros(row * (1 + 2 * (PLANNED_DEPTHS + 1)), dtype=torch.int32,
+        row, start = max_requests + 1, head_offset(max_requests)
+        plan = torch.zeros(start + row * 2 * (PLANNED_DEPTHS + 2), dtype=torch.int32,
                            device=device)
-        head = plan[row:2 * row]
+        head = plan[start:start + row]
         return cls(
             request_matched_prefix_blocks=annotations,
             offsets=head[1:],

@@ -10,13 +10,13 @@ of ``DeviceRoute``), local offsets, KV lengths and both cumulative sums. Depth `
 (the host counts the advances since the begin; no sync) then places its row of that
 plan into the view and the persistent length buffers with one ``torch._foreach_copy_``.
 
-Ops (counted by ``DeviceOpCounter``/``OpCounter`` as dispatches): ``begin`` 9 (the
-copy into ``block_table``, the copy into the plan's padded table, one add that writes
-``offsets[:n]`` and every planned position, one clamp that writes ``draft_count`` and
-the cumulative query lengths, a floor division giving positions and block columns, a
-clamp, a gather, a remainder, and one row-wise cumsum giving every depth's KV sums, pad
-rows flat), one more when ``n`` shrank under the same padded count (the older loop's
-planned KV lengths in ``[n, p)`` are zeroed for the cumsum); each planned depth 1; a
+Ops (counted by ``DeviceOpCounter``/``OpCounter`` as dispatches): ``begin`` 8 (the
+copy into ``block_table``, the copy into the plan's padded table, one addcmul that
+writes ``offsets[:n]``, every planned position and the query row's ones, a floor
+division giving positions and block columns, a clamp, a gather, a remainder, and one
+row-wise cumsum giving every depth's KV sums and the cumulative query lengths, pad
+entries flat, and ``draft_count``), one more when ``n`` is below the last planned
+loop's (that loop's scan input past ``n`` is zeroed first); each planned depth 1; a
 depth past the plan takes ``DeviceRoute``'s per-depth ops. On CUDA the
 ``_foreach_copy_`` is one multi-tensor
 launch only when every pair has one dtype (4- and 8-byte fields are read as int32
@@ -38,16 +38,17 @@ begin. As on the host route, an in-place edit of ``active_offsets`` or
 rows still come from ``block_table`` at every depth); call ``begin_decode`` again.
 
 Layout tricks (``PersistentBuffers.draft_plan``): ``offsets`` is row ``[0, 0]`` of the
-``[2, PLANNED_DEPTHS + 1, R + 1]`` int32 position rows (row ``[0, d]``: ``offsets + d``,
-row ``[1, d]``: ``offsets + d + BS``, each after one leading entry: ``draft_count``
-in row ``[0, 0]``, 0 in the others), so the add that plans the positions also copies
-the start positions, and rows ``[0, 1:]`` (a 0, then depth ``d``'s KV lengths
-``offsets + d + 1``) are the KV sums' scan input as they stand; the cumulative query
-scratch ends right before ``draft_count``, so ``clamp(arange, max=n)`` over ``p + 2``
-entries writes ``min(i, n)`` for ``i <= p`` and ``n`` itself. Block ids come from a
-padded table ``[R, W + 2]`` (``D`` in columns 0 and ``W + 1``) gathered at
-``clamp((pos + BS) // BS, 0, W + 1)``: an out-of-table column lands on a ``D`` column
-without a mask.
+``[2, PLANNED_DEPTHS + 2, R + 1]`` int32 position rows (row ``[0, d]``: ``offsets + d``,
+row ``[1, d]``: ``offsets + d + BS`` for ``d <= PLANNED_DEPTHS``, row ``[0, K + 1]``:
+``n`` ones, each after one leading entry: ``draft_count`` in row ``[0, 0]``, 0 in the
+others), so the addcmul that plans the positions also copies the start positions, and
+rows ``[0, 1:]`` (a 0, then depth ``d``'s KV lengths ``offsets + d + 1``, then the
+ones) are the scan input as they stand, zero past ``n``. The scan's output
+``[PLANNED_DEPTHS + 1, R + 1]`` ends where the position rows begin, so its last entry,
+the query row's total ``n``, is ``draft_count``; its query row is ``min(i, n)``, the
+cumulative query lengths. Block ids come from a padded table ``[R, W + 2]`` (``D`` in
+columns 0 and ``W + 1``) gathered at ``clamp((pos + BS) // BS, 0, W + 1)``: an
+out-of-table column lands on a ``D`` column without a mask.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .buffers import PLANNED_DEPTHS, PersistentBuffers
+from .buffers import PLANNED_DEPTHS, PersistentBuffers, head_offset
 from .cache import BoundedCache
 from .gpu_view import ViewTarget
 from .placement import word_view
@@ -98,8 +99,9 @@ class DraftPlan:
     Scratch (device, fixed addresses, allocated here): the padded table ``[R, W + 2]``
     (int64 storage, read as int32 when the view's block ids are int32), block ids
     ``[K, R]`` (same), int64 positions and block columns ``[2, K, R]``, int32 local
-    offsets ``[K, R]``, int32 KV sums ``[K, R + 1]`` (column 0: 0), and constants
-    (depths, divisors, ``arange``, ones-then-zeros, ``D``, zeros).
+    offsets ``[K, R]``, and constants (steps, scales, divisors, ``arange``,
+    ones-then-zeros, ``D``, zeros); the position rows and sums are in
+    ``buffers.draft_plan``.
     """
 
     def __init__(self, buffers: PersistentBuffers, *, block_size: int, dummy: int,
@@ -112,27 +114,32 @@ class DraftPlan:
         device = buffers.offsets.device
         i32, i64 = torch.int32, torch.int64
         row = requests + 1
-        flat = buffers.draft_plan
-        self._sums_q = flat[:row]  # [R + 1]: cu_q ends at flat[R], draft_count at R + 1
-        self._clamp_region = flat[:2 * row]
-        self._rows = flat[row:].view(2, K + 1, row)  # [0, 0] is draft_head
-        self._positions = self._rows[0, :, 1:]  # [K + 1, R]: offsets + d
-        self._planned_rows = self._rows[:, :, 1:]  # [2, K + 1, R]
-        # [K, R + 1]: depth d's KV lengths offsets + d + 1 after a 0 (column 0, never
-        # written), zero past n up to every padded count since (``_dirty``: the columns
-        # past n that may hold an older loop's values): the KV sums' scan input.
-        self._kv_rows = self._rows[0, 1:]
+        flat, start = buffers.draft_plan, head_offset(requests)
+        # [K + 1, R + 1]: depth d's KV sums (rows 0..K-1), then the query sums (row K),
+        # whose last entry is draft_count (the first of draft_head).
+        self._sums = flat[:start + 1].view(K + 1, row)
+        self._rows = flat[start:].view(2, K + 2, row)  # [0, 0] is draft_head
+        self._positions = self._rows[0, :K + 1, 1:]  # [K + 1, R]: offsets + d
+        self._planned_rows = self._rows[:, :, 1:]  # [2, K + 2, R]
+        # [K + 1, R + 1], the sums' scan input: depth d's KV lengths offsets + d + 1
+        # (rows 0..K-1), then n ones (row K), each after a 0 (column 0, never written)
+        # and zero past n (``_dirty``: the columns an older loop may have left nonzero).
+        self._scan_rows = self._rows[0, 1:]
         self._dirty = 0
         # Factory ops only (the CUDA simulator of the tests tracks those as device).
         depths = torch.arange(K + 1, dtype=i32, device=device)
-        self._steps = torch.zeros((2, K + 1, 1), dtype=i32, device=device)  # [g, d, 1]
-        self._steps[0, :, 0].copy_(depths)  # d
-        torch.add(depths, block_size, out=self._steps[1, :, 0])  # d + BS
+        # Row [g, d] of the planned rows is steps[g, d] + start * scales[g, d]: d and
+        # d + BS for d <= K, then 1 (the query row, scale 0) and an unused 0.
+        self._steps = torch.zeros((2, K + 2, 1), dtype=i32, device=device)  # [g, d, 1]
+        self._steps[0, :K + 1, 0].copy_(depths)  # d
+        torch.add(depths, block_size, out=self._steps[1, :K + 1, 0])  # d + BS
+        self._steps[0, K + 1].fill_(1)
+        self._scales = torch.ones((2, K + 2, 1), dtype=i32, device=device)
+        self._scales[:, K + 1].zero_()
         self._divisors = torch.ones((2, 1, 1), dtype=i64, device=device)  # 1, BS
         self._divisors[1].fill_(block_size)
         self._quotients = torch.zeros((2, K, requests), dtype=i64, device=device)
         self._local = torch.zeros((K, requests), dtype=i32, device=device)
-        self._sums_kv = torch.zeros((K, row), dtype=i32, device=device)
         self._arange = torch.arange(row + 1, dtype=i32, device=device)
         self._ones_zeros = torch.zeros(2 * requests, dtype=i32, device=device)
         self._ones_zeros[:requests].fill_(1)
@@ -173,9 +180,9 @@ class DraftPlan:
                 "pos32": cut(self._positions[d], True),
                 "pos64": cut(self._quotients[0, d], True),
                 "kv": cut(self._positions[d + 1], True),
-                "sums_kv": cut(self._sums_kv[d], True)})
+                "sums_kv": cut(self._sums[d], True)})
         self._consts = {"ones_zeros": cut(self._ones_zeros), "zeros": cut(self._zeros),
-                        "arange": cut(self._arange), "sums_q": cut(self._sums_q),
+                        "arange": cut(self._arange), "sums_q": cut(self._sums[K]),
                         "minus_one": cut(self._minus_one),
                         "table": cut(buffers.block_table),
                         "query": cut(buffers.query_lengths),
@@ -183,18 +190,18 @@ class DraftPlan:
         self._dummy_cuts = {dtype: cut(t, True) for dtype, t in self._dummies.items()}
         self._block_cuts = {dtype: [cut(blocks[d], True) for d in range(K)]
                             for dtype, blocks in self._blocks.items()}
-        self._queries: Dict[int, Prefixes] = {}  # window caches (_window)
-        self._cu_queries: Dict[int, Prefixes] = {}
+        self._queries: Dict[int, Prefixes] = {}  # R - n -> ones-then-zeros window
         self._minus_rows: Dict[int, Tensor] = {}  # pad rows -> [rows, W] of -1
-        # The begin's views by (block dtype, n) and by p (at most 2R + 2 and R + 1).
+        # The begin's views by (block dtype, n) and its zeroings by n (at most 2R + 2
+        # and R).
         self._row_cache: Dict[Any, Tuple[Tensor, ...]] = {}
-        self._padded_cache: Dict[int, Tuple[Tensor, ...]] = {}
+        self._stale_cache: Dict[int, Tensor] = {}
 
     # ------------------------------------------------------------------- begin
     def begin(self, count: int, padded: int, start_positions: Tensor,
               table_src: Tensor) -> None:
         """Copy the inputs (``offsets[:n]``, ``block_table[:n]``, ``draft_count``) and
-        plan depths ``0..K-1`` of the loop: 9 device ops (see the module docstring)."""
+        plan depths ``0..K-1`` of the loop: 8 device ops (see the module docstring)."""
         n, p, w = count, padded, self.width
         dtype = self._dtype
         table = self._tables[dtype]
@@ -207,25 +214,22 @@ class DraftPlan:
             rows_src = table_src[:n]
             table_rows.copy_(rows_src, non_blocking=True)
             padded_rows.copy_(rows_src, non_blocking=True)
-            # offsets[:n] (row [0, 0]), offsets + d and offsets + d + BS, in one add.
-            torch.add(start_positions[:n], self._steps, out=planned)
-        stale = min(self._dirty, p)
-        if stale > n:  # an older loop's planned KV lengths in [n, p): zero them
-            self._positions[1:, n:stale].zero_()
-        self._dirty = n if self._dirty <= p else max(n, self._dirty)
-        arange, clamped = self._padded_views(p)
-        # cu_q[:p + 1] = min(i, n), then draft_count = min(p + 1, n) = n.
-        torch.clamp(arange, max=n, out=clamped)
+            # offsets[:n] (row [0, 0]), offsets + d, offsets + d + BS and the query
+            # row's ones, in one addcmul.
+            torch.addcmul(self._steps, start_positions[:n], self._scales, out=planned)
+        if self._dirty > n:  # an older loop's scan input past n: zero it
+            self._stale_rows(n).zero_()
+        self._dirty = n
         if n:
             torch.floor_divide(divided, self._divisors, out=quotients)
             columns.clamp_(0, w + 1)  # block column + 1
             torch.gather(gathered, 1, index, out=blocks)
             torch.remainder(positions, self.block_size, out=local)
-        # KV sums of every depth: each row [0, offsets + d + 1 (n values), 0...] scanned
-        # whole. [K, R + 1] in and out, both contiguous: CUDA's row scan, which needs no
-        # workspace (a 1-D scan goes through cub, whose temporary storage comes from the
-        # caching allocator at every call).
-        torch.cumsum(self._kv_rows, 1, dtype=torch.int32, out=self._sums_kv)
+        # Every depth's KV sums, then the query sums min(i, n) ending in draft_count = n:
+        # each row [0, n values, 0...] scanned whole. [K + 1, R + 1] in and out, both
+        # contiguous: CUDA's row scan, which needs no workspace (a 1-D scan goes through
+        # cub, whose temporary storage comes from the caching allocator at every call).
+        torch.cumsum(self._scan_rows, 1, dtype=torch.int32, out=self._sums)
         self.count, self.padded, self.depth, self.valid = n, p, 0, True
         self._planned_dtype = dtype
 
@@ -242,15 +246,12 @@ class DraftPlan:
                 self._positions[:K, :n], self._local[:, :n], table[:n])
         return views
 
-    def _padded_views(self, p: int) -> Tuple[Tensor, Tensor]:
-        """The clamp's ``arange[:p + 2]`` and the cumulative query region it writes
-        (built once per ``p``)."""
-        views = self._padded_cache.get(p)
-        if views is None:
-            row = self.requests + 1
-            views = self._padded_cache[p] = (self._arange[:p + 2],
-                                              self._clamp_region[row - p - 1:row + 1])
-        return views
+    def _stale_rows(self, start: int) -> Tensor:
+        """Columns ``start:`` of the scan input's rows (built once per ``start``)."""
+        view = self._stale_cache.get(start)
+        if view is None:
+            view = self._stale_cache[start] = self._scan_rows[:, 1 + start:]
+        return view
 
     def covers(self, count: int, padded: int) -> bool:
         """Whether the next depth is planned (same loop, depth < K)."""
@@ -287,7 +288,7 @@ class DraftPlan:
         of one ``_foreach_copy_`` (int32 words) and the dtype-converting ``singles``."""
         f = side.fields
         block = f.token_to_block_idx.dtype
-        n, p, d, row = self.count, self.padded, self.depth, self.requests + 1
+        n, p, d = self.count, self.padded, self.depth
         src, c = self._src[d], self._consts
         dsts: List[Tensor] = []
         srcs: List[Tensor] = []
@@ -322,9 +323,8 @@ class DraftPlan:
         put("mha_query_lengths", 0, p, window, window.tensor)
         put("mha_kv_seq_lengths", 0, n, src["kv"], self._positions[d + 1])
         put("mha_kv_seq_lengths", n, p, c["zeros"], self._zeros)
-        window = self._window(self._cu_queries, row - p - 1)  # == R - p
-        put("mha_cu_query_seq_lengths", 0, p + 1, window, window.tensor)
-        put("mha_cu_kv_seq_lengths", 0, p + 1, src["sums_kv"], self._sums_kv[d])
+        put("mha_cu_query_seq_lengths", 0, p + 1, c["sums_q"], self._sums[K])
+        put("mha_cu_kv_seq_lengths", 0, p + 1, src["sums_kv"], self._sums[d])
         self._table_rows(side, n, p, dsts, srcs, singles)
         if n:  # the persistent lengths, as stage_decode_lengths writes them
             dsts += [c["query"].prefix(n), c["kv_buf"].prefix(n)]
@@ -332,12 +332,10 @@ class DraftPlan:
         return dsts, srcs, singles
 
     def _window(self, cache: Dict[int, Prefixes], start: int) -> Prefixes:
-        """Prefix cache of a constant's window ``[start:]`` (``_queries``: the
-        ones-then-zeros at ``R - n``; ``_cu_queries``: the query sums at ``R - p``)."""
+        """Prefix cache of the ones-then-zeros window ``[start:]`` (at ``R - n``)."""
         cut = cache.get(start)
         if cut is None:
-            base = self._ones_zeros if cache is self._queries else self._sums_q
-            cut = cache[start] = _cuts(base[start:], False, self._builds)
+            cut = cache[start] = _cuts(self._ones_zeros[start:], False, self._builds)
         return cut
 
     def _table_rows(self, side: _ViewSide, n: int, p: int, dsts: List[Tensor],

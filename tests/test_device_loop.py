@@ -53,6 +53,8 @@ def _begin(meta, ref, rng, n, padded, depths=PLANNED_DEPTHS):
     meta.begin_decode(n, padded, starts, table, False)
     ref.begin_decode(n, padded, starts, table, False)
     assert_buffers_equal(meta, ref)
+    # The planned begin's scan writes draft_count (contract §12's real count) last.
+    assert meta._buffers.draft_count.tolist() == [n]
 
 
 def _depth(meta, ref, view, ref_view):
@@ -80,6 +82,22 @@ def test_planned_loops_match_the_reference_at_every_depth(rng, view_kind):
         padded = int(rng.integers(n, R + 1))
         _begin(meta, ref, rng, n, padded)
         for _ in range(int(rng.integers(1, PLANNED_DEPTHS + 1))):
+            _depth(meta, ref, view, ref_view)
+            _advance(meta, ref)
+        meta.end_forward()
+        ref.end_forward()
+
+
+def test_shrinking_and_growing_loops_keep_every_sum_and_the_count(rng):
+    """Loops whose n falls, rises and falls again under padded counts both above and
+    below the older loops' n (the scan input past n must be zero for the pad sums and
+    for draft_count): every depth and draft_count equal the reference's."""
+    meta, ref, view, ref_view = _setup()
+    R = meta.max_requests
+    for n, padded in [(R, R), (3, R), (2, 2), (R - 1, R), (0, 5), (R - 4, R - 4), (1, 1),
+                      (6, R), (6, 6), (5, R)]:
+        _begin(meta, ref, rng, n, padded)
+        for _ in range(2 if n else 0):  # (n = 0: the host knows every length)
             _depth(meta, ref, view, ref_view)
             _advance(meta, ref)
         meta.end_forward()
@@ -183,10 +201,10 @@ def test_out_of_table_positions_go_to_the_dummy_block():
 @pytest.mark.parametrize("n,padded", [(192, 192), (190, 192)], ids=["full", "pad"])
 def test_device_input_loop_op_budget(view_kind, n, padded):
     """On the standard geometry with device inputs (after a warm-up loop on the view):
-    begin_decode 10 device data ops and 2 views (the inputs' rows), each planned depth
+    begin_decode 8 device data ops and 2 views (the inputs' rows), each planned depth
     1 (one _foreach_copy_: every pair of one word dtype, none converted), each advance
     1; no read-back and no new storage anywhere. So the standard step (carry 1 and commit 2
-    on the host route) is 1 + begin + 3 depths + 2 <= 16 without its advances."""
+    on the host route) is 1 + begin + 3 depths + 2 = 14 without its advances, 17 with."""
     from mtpmeta.bench.workload import StepConfig, make_steps
 
     config = StepConfig()
@@ -213,7 +231,8 @@ def test_device_input_loop_op_budget(view_kind, n, padded):
         meta.end_forward()
     every = counts["begin"] + counts["depth"] + counts["advance"]
     assert all(c.scalar_reads == 0 and c.new_storages == 0 for c in every)
-    assert counts["begin"][2].data_ops == 9, counts["begin"][2].ops
+    assert counts["begin"][2].data_ops == 8, counts["begin"][2].ops
+    assert counts["begin"][2].ops["aten::cumsum"] == 1  # every sum and draft_count
     # Its only views slice the caller's two inputs; its own are built once per n.
     assert counts["begin"][2].view_ops == 2, counts["begin"][2].ops
     assert [c.data_ops for c in counts["depth"]] == [1] * config.depths, \
@@ -221,11 +240,11 @@ def test_device_input_loop_op_budget(view_kind, n, padded):
     assert all(c.ops["aten::_foreach_copy_"] == 1 for c in counts["depth"])
     assert [c.data_ops for c in counts["advance"]] == [1] * config.depths
     step = 1 + counts["begin"][2].data_ops + config.depths + 2
-    assert step <= 16
-    # A loop with fewer real rows under the same padded count zeroes the older
-    # loop's planned KV lengths in between (one op more, for the KV sums), once.
+    assert step == 14
+    # A loop with fewer real rows zeroes the older loop's scan input past them (one op
+    # more, for the sums and draft_count), once.
     inputs = steps[0]
-    for expected in (10, 9):
+    for expected in (9, 8):
         with OpCounter() as begin:
             meta.begin_decode(n - 1, padded, inputs.start_positions, inputs.block_table,
                               False)
