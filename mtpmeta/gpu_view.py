@@ -185,15 +185,16 @@ class ViewTarget:
     is the view's ``field_generation`` when it is exactly a ``ContextGPUView`` (else
     None). ``token_block_range`` / ``table_block_range``: the ``(low, high)`` block ids
     ``token_to_block_idx`` / ``mha_block_table`` can hold. ``writer_scratch``: device
-    scratch a device-route writer stages through, made at its first use, one per view:
-    view writers are not stream-ordered, so two views written on two streams never
-    share it.
+    scratch a device-route ``write_mha_metadata`` stages through, ``token_scratch`` the
+    device-route ``write_token_maps``'s (``token_scratch.TokenScratch``), each made at
+    its first use, one per view: view writers are not stream-ordered, so two views
+    written on two streams never share them.
     """
 
     __slots__ = ("fields", "arrays", "token_arrays", "request_arrays", "max_tokens",
                  "max_requests", "width", "device", "plans", "generation",
                  "token_block_range", "table_block_range", "writer_scratch",
-                 "__weakref__")
+                 "token_scratch", "__weakref__")
 
     def __init__(self, gpu_view: Any) -> None:
         self.generation: Optional[int] = (gpu_view.field_generation
@@ -235,6 +236,7 @@ class ViewTarget:
         # Copy plans of the mirror path built against this view (views, never data).
         self.plans = BoundedCache(4096)
         self.writer_scratch: Optional[torch.Tensor] = None
+        self.token_scratch: Optional[Any] = None  # token_scratch.TokenScratch
         if self.device.type == "cpu":
             self.arrays = ViewFields(**{name: t.numpy() for name, t in tensors.items()})
             self.token_arrays, self.request_arrays = kernel_args(self.arrays)

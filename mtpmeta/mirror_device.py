@@ -10,7 +10,8 @@ outside ``[0, rows of block_table)`` (or of ``inherited_blocks``) is clamped on 
 device, with no sync and no device-side assert, and its token goes to ``D``: where the
 host route raises IndexError, this route writes no real block. The draft depth here
 allocates nothing: it writes through fixed views of the persistent buffers and of the
-destination view. With ``padded`` (the default route) ``begin_decode`` plans the
+destination view; the writers stage through the view's own scratch (made at its first
+device-route write: ``ViewTarget.writer_scratch``, ``token_scratch.TokenScratch``). With ``padded`` (the default route) ``begin_decode`` plans the
 loop's first ``PLANNED_DEPTHS`` depths (``device_loop.DraftPlan``) and each of them is
 one ``_foreach_copy_``; a later depth takes the per-depth ops of ``decode_step``.
 
@@ -31,6 +32,7 @@ from .buffers import PersistentBuffers
 from .device_loop import DraftPlan
 from .gpu_view import ViewTarget
 from .runtime import get_runtime
+from .token_scratch import TokenScratch
 
 __all__ = ["write_lengths_and_table", "lengths_plan", "LengthsPlan", "scan_scratch",
            "draft_scratch", "DeviceRoute"]
@@ -282,7 +284,10 @@ class DeviceRoute:
 
     def write_token_maps(self, target: ViewTarget, rows: Tensor, positions: Tensor,
                          table: Tensor, inherited: Optional[Tensor], padded: int) -> None:
-        """Device-op token maps (allocates temporaries; values unchecked, no sync).
+        """Device-op token maps (values unchecked, no sync): 13 device data ops (16 with
+        ``inherited``, one more where the table's dtype is not the view's, 2 more for
+        pad tokens), through the view's ``TokenScratch``: nothing allocated after the
+        view's first call.
 
         A token whose block column lies outside the table, or whose row lies outside
         ``[0, usable)`` (``usable``: rows of ``table``, and of ``inherited`` when given;
@@ -297,25 +302,41 @@ class DeviceRoute:
         count = positions.shape[0]
         if count:
             self._in_use(rows, positions, table, inherited)
+            scratch = target.token_scratch
+            if scratch is None:
+                scratch = target.token_scratch = TokenScratch(target.max_tokens,
+                                                              target.device)
+            columns, clamped, index, redirect, condition = scratch.views(count)
+            safe = scratch.typed("rows", rows.dtype, count)
             usable = table.shape[0] if inherited is None else min(table.shape[0],
                                                                   inherited.shape[0])
-            rows_long = rows.long()
-            bad_row = (rows_long < 0) | (rows_long >= usable)
-            safe_rows = rows_long.clamp(0, max(usable - 1, 0))
-            columns = torch.div(positions, self.block_size, rounding_mode="floor").long()
-            redirect = (columns < 0) | (columns >= table.shape[1]) | bad_row
-            if usable and table.shape[1]:
-                blocks = table[safe_rows, columns.clamp(0, table.shape[1] - 1)]
-                if inherited is not None:
-                    redirect = redirect | (columns < inherited[safe_rows])
-                block[:count].copy_(blocks.masked_fill(redirect, self.dummy))
+            width = table.shape[1]
+            torch.clamp(rows, 0, max(usable - 1, 0), out=safe)
+            blocks = block[:count]
+            if usable and width:
+                torch.ne(safe, rows, out=redirect)  # a row outside [0, usable)
+                torch.floor_divide(positions, self.block_size, out=columns)
+                torch.clamp(columns, 0, width - 1, out=clamped)
+                torch.ne(clamped, columns, out=condition)  # a column outside the table
+                torch.logical_or(redirect, condition, out=redirect)
+                if inherited is not None:  # a column the request inherited
+                    firsts = scratch.typed("inherited", inherited.dtype, count)
+                    torch.index_select(inherited, 0, safe, out=firsts)
+                    torch.lt(columns, firsts, out=condition)
+                    torch.logical_or(redirect, condition, out=redirect)
+                torch.add(clamped, safe, alpha=width, out=index)  # table's flat index
+                if blocks.dtype == table.dtype:
+                    torch.take(table, index, out=blocks)
+                    blocks.masked_fill_(redirect, self.dummy)
+                else:
+                    gathered = scratch.typed("blocks", table.dtype, count)
+                    torch.take(table, index, out=gathered)
+                    gathered.masked_fill_(redirect, self.dummy)
+                    blocks.copy_(gathered)
             else:
-                block[:count].fill_(self.dummy)
-            if local.dtype == positions.dtype:
-                torch.remainder(positions, self.block_size, out=local[:count])
-            else:
-                local[:count].copy_(torch.remainder(positions, self.block_size))
-            f.token_to_request_idx[:count].copy_(safe_rows)
+                blocks.fill_(self.dummy)
+            torch.remainder(positions, self.block_size, out=local[:count])
+            f.token_to_request_idx[:count].copy_(safe)
             f.token_to_position_in_request[:count].copy_(positions)
             f.token_to_pos_ids[:count].copy_(positions)
         if padded > count:

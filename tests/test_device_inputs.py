@@ -10,10 +10,13 @@ a bad column to a real block, and only GPU users see it.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from mtpmeta import ContextGPUView
+from mtpmeta.bench.opcount import OpCounter
 from mtpmeta.reference import ReferenceGPUView
 
 from tests.helpers import (assert_buffers_equal, assert_views_equal, make_metadata,
@@ -47,6 +50,54 @@ def test_device_token_maps_match_reference(device_route, rng, with_inherited):
         meta.write_token_maps(view, rows, positions, table, padded, inherited)
         ref.write_token_maps(ref_view, rows, positions, table, padded, inherited)
         assert_views_equal(view, ref_view)
+
+
+@pytest.mark.parametrize("rows_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("positions_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("table_dtype", [torch.int32, torch.int64])
+def test_device_token_maps_match_reference_in_every_input_dtype(
+        device_route, rng, rows_dtype, positions_dtype, table_dtype):
+    """The device route's scratch is typed per input dtype (its row clamp writes only the
+    rows' dtype; a table unlike the view's block dtype gathers into its own scratch):
+    every mix writes the reference's view, with and without inherited blocks (columns
+    outside the table, which the reference cannot index, are the next test's)."""
+    meta, ref, view, ref_view = _pair()
+    limit = meta.max_kv_block_count * meta.block_size_tokens
+    for step in range(12):
+        T = int(rng.integers(1, 20))
+        rows = torch.tensor(rng.integers(0, meta.max_requests, T), dtype=rows_dtype)
+        positions = torch.tensor(rng.integers(0, limit, T), dtype=positions_dtype)
+        table = _table(rng, meta, table_dtype)
+        inherited = torch.tensor(rng.integers(0, 4, meta.max_requests), dtype=torch.int32) \
+            if step % 2 else None
+        padded = T + int(rng.integers(0, 8))
+        meta.write_token_maps(view, rows, positions, table, padded, inherited)
+        ref.write_token_maps(ref_view, rows, positions, table, padded, inherited)
+        assert_views_equal(view, ref_view)
+
+
+@pytest.mark.skipif(os.environ.get("MTPMETA_DEBUG") == "1",
+                    reason="MTPMETA_DEBUG=1: the invariant checks issue torch ops")
+@pytest.mark.parametrize("table_dtype, ops", [(torch.int32, 13), (torch.int64, 14)])
+def test_device_token_maps_allocate_nothing_after_the_first_call(device_route, rng,
+                                                                 table_dtype, ops):
+    """The drop-in's draft loop calls write_token_maps at every depth: after the view's
+    first call it writes through the view's fixed scratch (no new storage, no read-back)
+    in 13 device data ops (one more copy for a table unlike the view's block dtype)."""
+    meta, _, view, _ = _pair()
+    limit = meta.max_kv_block_count * meta.block_size_tokens
+    counters = []
+    for _ in range(3):
+        T = int(rng.integers(4, 20))
+        rows = torch.tensor(rng.integers(0, meta.max_requests, T))
+        positions = torch.tensor(rng.integers(0, limit, T), dtype=torch.int32)
+        table = _table(rng, meta, table_dtype)
+        with OpCounter() as counter:
+            meta.write_token_maps(view, rows, positions, table, T)
+        counters.append(counter)
+    assert all(c.scalar_reads == 0 for c in counters)
+    assert [c.new_storages for c in counters[1:]] == [0, 0], [c.ops for c in counters]
+    assert [c.data_ops for c in counters[1:]] == [ops] * 2, [c.ops for c in counters]
 
 
 def test_device_token_maps_send_out_of_table_columns_to_the_dummy_block(device_route):
