@@ -10,10 +10,12 @@ outside ``[0, rows of block_table)`` (or of ``inherited_blocks``) is clamped on 
 device, with no sync and no device-side assert, and its token goes to ``D``: where the
 host route raises IndexError, this route writes no real block. The draft depth here
 allocates nothing: it writes through fixed views of the persistent buffers and of the
-destination view; the writers stage through the view's own scratch (made at its first
-device-route write: ``ViewTarget.writer_scratch``, ``token_scratch.TokenScratch``). With ``padded`` (the default route) ``begin_decode`` plans the
-loop's first ``PLANNED_DEPTHS`` depths (``device_loop.DraftPlan``) and each of them is
-one ``_foreach_copy_``; a later depth takes the per-depth ops of ``decode_step``.
+destination view; the writers stage through the view's own scratch (made at its
+first device-route write: ``ViewTarget.writer_scratch``,
+``token_scratch.TokenScratch``). With ``padded`` (the default route) ``begin_decode``
+plans the loop's first ``PLANNED_DEPTHS`` depths (``device_loop.DraftPlan``) and each
+of them is one ``_foreach_copy_``; a later depth takes the per-depth ops of
+``decode_step``.
 
 Every caller tensor this route reads is ``record_stream``-ed on the current stream
 through the runtime (``mtpmeta.runtime``), so its producer may free it right after the
@@ -33,6 +35,10 @@ from .device_loop import DraftPlan
 from .gpu_view import ViewTarget
 from .runtime import get_runtime
 from .token_scratch import TokenScratch
+
+# ``tensor[indices]`` into ``out`` (an out= gather with a C++ meta kernel, unlike
+# ``take`` and ``index_select``'s out variants, so the meta bench times it faithfully).
+_index_out = torch.ops.aten.index.Tensor_out
 
 __all__ = ["write_lengths_and_table", "lengths_plan", "LengthsPlan", "scan_scratch",
            "draft_scratch", "DeviceRoute"]
@@ -284,10 +290,10 @@ class DeviceRoute:
 
     def write_token_maps(self, target: ViewTarget, rows: Tensor, positions: Tensor,
                          table: Tensor, inherited: Optional[Tensor], padded: int) -> None:
-        """Device-op token maps (values unchecked, no sync): 13 device data ops (16 with
-        ``inherited``, one more where the table's dtype is not the view's, 2 more for
-        pad tokens), through the view's ``TokenScratch``: nothing allocated after the
-        view's first call.
+        """Device-op token maps (values unchecked, no sync): 12 device data ops with int64
+        rows (one more for other rows, 3 more with ``inherited``, one more where the
+        table's dtype is not the view's, 2 more for pad tokens), through the view's
+        ``TokenScratch``: nothing allocated after the view's first call.
 
         A token whose block column lies outside the table, or whose row lies outside
         ``[0, usable)`` (``usable``: rows of ``table``, and of ``inherited`` when given;
@@ -306,31 +312,33 @@ class DeviceRoute:
             if scratch is None:
                 scratch = target.token_scratch = TokenScratch(target.max_tokens,
                                                               target.device)
-            columns, clamped, index, redirect, condition = scratch.views(count)
-            safe = scratch.typed("rows", rows.dtype, count)
+            safe, columns, clamped, redirect, condition = scratch.views(count)
             usable = table.shape[0] if inherited is None else min(table.shape[0],
                                                                   inherited.shape[0])
-            width = table.shape[1]
-            torch.clamp(rows, 0, max(usable - 1, 0), out=safe)
+            width, last_row = table.shape[1], max(usable - 1, 0)
+            if rows.dtype == torch.int64:  # clamp writes only its input's dtype
+                torch.clamp(rows, 0, last_row, out=safe)
+            else:
+                safe.copy_(rows)
+                safe.clamp_(0, last_row)
             blocks = block[:count]
             if usable and width:
                 torch.ne(safe, rows, out=redirect)  # a row outside [0, usable)
-                torch.floor_divide(positions, self.block_size, out=columns)
+                torch.div(positions, self.block_size, rounding_mode="floor", out=columns)
                 torch.clamp(columns, 0, width - 1, out=clamped)
                 torch.ne(clamped, columns, out=condition)  # a column outside the table
-                torch.logical_or(redirect, condition, out=redirect)
+                torch.bitwise_or(redirect, condition, out=redirect)
                 if inherited is not None:  # a column the request inherited
                     firsts = scratch.typed("inherited", inherited.dtype, count)
-                    torch.index_select(inherited, 0, safe, out=firsts)
+                    _index_out(inherited, [safe], out=firsts)
                     torch.lt(columns, firsts, out=condition)
-                    torch.logical_or(redirect, condition, out=redirect)
-                torch.add(clamped, safe, alpha=width, out=index)  # table's flat index
+                    torch.bitwise_or(redirect, condition, out=redirect)
                 if blocks.dtype == table.dtype:
-                    torch.take(table, index, out=blocks)
+                    _index_out(table, [safe, clamped], out=blocks)
                     blocks.masked_fill_(redirect, self.dummy)
                 else:
                     gathered = scratch.typed("blocks", table.dtype, count)
-                    torch.take(table, index, out=gathered)
+                    _index_out(table, [safe, clamped], out=gathered)
                     gathered.masked_fill_(redirect, self.dummy)
                     blocks.copy_(gathered)
             else:

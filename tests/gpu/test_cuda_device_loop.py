@@ -97,3 +97,43 @@ def test_device_input_loop_launches_allocates_and_syncs_within_budget(layout):
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
     assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocations
+
+
+@pytest.mark.parametrize("layout", [ContextGPUView, UpstreamLayoutView],
+                         ids=["mtpmeta", "upstream"])
+def test_device_route_token_writer_matches_the_reference_and_allocates_nothing(layout):
+    """The drop-in's draft loop calls write_token_maps with device tensors at every
+    depth: after the view's first call it writes the reference's fields with no sync
+    and no allocation from the caching allocator (``TokenScratch``, out= ops only)."""
+    meta, view = _objects(layout)
+    ref = ReferenceMTPMetadata(**CONFIG.metadata_kwargs())
+    ref.allocate(CUDA)
+    ref_view = ReferenceGPUView(CONFIG.max_requests, CONFIG.max_tokens,
+                                CONFIG.block_columns, CUDA)
+    g = torch.Generator().manual_seed(3)
+    R, W, BS = CONFIG.max_requests, CONFIG.block_columns, CONFIG.block_size
+
+    def inputs(T):
+        rows = torch.randint(0, R, (T,), generator=g).to(CUDA)
+        positions = torch.randint(0, W * BS, (T,), generator=g, dtype=torch.int32).to(CUDA)
+        table = torch.randint(0, 500, (R, W), generator=g, dtype=torch.int32).to(CUDA)
+        return rows, positions, table
+
+    for T in (40, 57):
+        rows, positions, table = inputs(T)
+        meta.write_token_maps(view, rows, positions, table, T + 3)
+        ref.write_token_maps(ref_view, rows, positions, table, T + 3)
+        for f in VIEW_FIELDS:
+            if f.per_token:
+                assert torch.equal(getattr(view, f.name)[:T + 3].cpu().long(),
+                                   getattr(ref_view, f.name)[:T + 3].cpu().long()), f.name
+    rows, positions, table = inputs(57)
+    torch.cuda.synchronize()
+    allocations = torch.cuda.memory_stats()["allocation.all.allocated"]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        meta.write_token_maps(view, rows, positions, table, 60)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocations
