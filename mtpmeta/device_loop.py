@@ -319,7 +319,7 @@ class DraftPlan:
         put("token_to_request_idx", 0, n, c["arange"], self._arange)
         put("token_to_position_in_request", 0, n, src["pos32"], self._positions[d])
         put("token_to_pos_ids", 0, n, src["pos64"], self._quotients[0, d])
-        window = self._window(self._queries, self.requests - n)
+        window = self._window(self.requests - n)
         put("mha_query_lengths", 0, p, window, window.tensor)
         put("mha_kv_seq_lengths", 0, n, src["kv"], self._positions[d + 1])
         put("mha_kv_seq_lengths", n, p, c["zeros"], self._zeros)
@@ -331,11 +331,12 @@ class DraftPlan:
             srcs += [c["ones_zeros"].prefix(n), src["kv"].prefix(n)]
         return dsts, srcs, singles
 
-    def _window(self, cache: Dict[int, Prefixes], start: int) -> Prefixes:
+    def _window(self, start: int) -> Prefixes:
         """Prefix cache of the ones-then-zeros window ``[start:]`` (at ``R - n``)."""
-        cut = cache.get(start)
+        cut = self._queries.get(start)
         if cut is None:
-            cut = cache[start] = _cuts(self._ones_zeros[start:], False, self._builds)
+            cut = self._queries[start] = _cuts(self._ones_zeros[start:], False,
+                                               self._builds)
         return cut
 
     def _table_rows(self, side: _ViewSide, n: int, p: int, dsts: List[Tensor],

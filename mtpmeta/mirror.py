@@ -214,7 +214,8 @@ class MirrorBackend(ForwardStaging, CountedStaging):
             self._begin_counted(count, start_positions, table_src, block_counts)
             return True
         if derives(count * self._width, self._width):
-            return self._begin_derived(count, start_positions, table_src)
+            self._begin_derived(count, start_positions, table_src)
+            return True
         slot = self._begin_ring.acquire()
         head_np, table_np = self._begin_arrays[slot]
         native.draft_state.copy_decode_inputs(start_positions, table_src, count,

@@ -191,7 +191,7 @@ class CountedStaging:
         self._packed_rows[slot] = max(known, count)
 
     def _begin_derived(self, count: int, start_positions: np.ndarray,
-                       table_src: np.ndarray) -> bool:
+                       table_src: np.ndarray) -> None:
         """The default begin of a wide table (module docstring, "Derived counts"): the
         counted begin with each row's used columns as its count and -1 past them, so
         the device table is the caller's bit for bit and only ``[n, C]`` rows cross."""
@@ -199,7 +199,6 @@ class CountedStaging:
         largest = native.draft_state.used_columns(table_src, count, used)
         self._begin_counted(count, start_positions, table_src, used, -1, int(largest))
         self.begin_derived = True
-        return True
 
     def _packed_refusal(self, count: int, status: int) -> int:
         """A depth's refusal ``status`` (``decode_step_maps``'s, offsets already in
