@@ -20,9 +20,17 @@ def offsets_in_table(offsets, count, block_size, width):
     >>> offsets_in_table(offsets, 2, 8, 2), offsets_in_table(offsets, 3, 8, 2)
     (True, False)
     """
+    # A power-of-two block size takes a shift, which floors as // does (staging's
+    # _shift_of, kept here: numba's on-disk cache does not track other files).
+    shift = 0
+    while shift < 62 and (np.int64(1) << shift) < block_size:
+        shift += 1
+    if (np.int64(1) << shift) != block_size:
+        shift = -1
     for t in range(count):
         position = np.int64(offsets[t])
-        if position < 0 or position // block_size >= width:
+        column = position >> shift if shift >= 0 else position // block_size
+        if position < 0 or column >= width:
             return False
     return True
 

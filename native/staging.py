@@ -56,13 +56,24 @@ def stage_decode_lengths(offsets, count, query_lengths, kv_lengths):
 
 
 @njit(cache=True, inline='always')
-def _write_token(t, row, position, protected, block_table, block_size, dummy, pos_ids,
-                 block_idx, local_pos, request_idx, position_in_request):
+def _shift_of(block_size):
+    """``log2(BS)`` for a power-of-two block size (6 for 64), else -1: a block column
+    is then ``pos >> shift``, which floors as ``pos // BS`` does, with no division."""
+    shift = 0
+    while shift < 62 and (np.int64(1) << shift) < block_size:
+        shift += 1
+    return shift if (np.int64(1) << shift) == block_size else -1
+
+
+@njit(cache=True, inline='always')
+def _write_token(t, row, position, protected, block_table, block_size, shift, dummy,
+                 pos_ids, block_idx, local_pos, request_idx, position_in_request):
     """Token ``t`` of request ``row`` writes ``position`` (int64): ``col = pos // BS``;
     block ``D`` when ``col < protected`` (inherited KV is never rewritten), else
     ``block_table[row, col]``; local offset ``pos % BS``; request ``row``; both
-    position fields ``pos``. The per-token rule of every token-map writer here."""
-    column = position // block_size
+    position fields ``pos``; ``shift`` is ``_shift_of(block_size)``. The per-token rule
+    of every token-map writer here."""
+    column = position >> shift if shift >= 0 else position // block_size
     if column < protected:
         block_idx[t] = dummy
     else:
@@ -105,11 +116,13 @@ def write_token_maps(rows, positions, block_table, inherited, has_inherited, pad
     [[7, 8, -1, -1], [99, 4, 99, -1], [7, 0, 0, -1], [0, 0, -1, -1], [7, 8, -1, -1]]
     """
     count = positions.shape[0]
+    shift = _shift_of(block_size)
     for t in range(count):
         row = rows[t]
         protected = np.int64(inherited[row]) if has_inherited else np.int64(0)
         _write_token(t, row, np.int64(positions[t]), protected, block_table, block_size,
-                     dummy, pos_ids, block_idx, local_pos, request_idx, position_in_request)
+                     shift, dummy, pos_ids, block_idx, local_pos, request_idx,
+                     position_in_request)
     _pad_token_maps(count, padded, dummy, block_idx, local_pos)
 
 
@@ -132,11 +145,12 @@ def write_commit_token_maps(counts, starts, has_starts, block_table, inherited,
     [[7, 8, 3, -1], [99, 4, 5, 99], [7, 0, 3, 0], [0, 0, 1, -1], [7, 8, 3, -1]]
     """
     t = 0
+    shift = _shift_of(block_size)
     for r in range(counts.shape[0]):
         start = np.int64(starts[r]) if has_starts else np.int64(0)
         protected = np.int64(inherited[r]) if has_inherited else np.int64(0)
         for j in range(counts[r]):
-            _write_token(t, r, start + j, protected, block_table, block_size, dummy,
+            _write_token(t, r, start + j, protected, block_table, block_size, shift, dummy,
                          pos_ids, block_idx, local_pos, request_idx, position_in_request)
             t += 1
     _pad_token_maps(t, padded, dummy, block_idx, local_pos)
@@ -165,6 +179,7 @@ def first_bad_commit_block(counts, starts, has_starts, block_table, inherited,
     ...                        np.array([2, -1]), True, 8, 2, 127)
     (1, 1, -1)
     """
+    shift = _shift_of(block_size)
     for r in range(counts.shape[0]):
         protected = np.int64(0)
         if has_inherited:
@@ -175,10 +190,9 @@ def first_bad_commit_block(counts, starts, has_starts, block_table, inherited,
         if count <= 0:
             continue
         start = np.int64(starts[r]) if has_starts else np.int64(0)
-        first = start // block_size
-        last = (start + count - 1) // block_size
-        if first < protected:
-            first = protected
+        last = start + count - 1  # the columns of the span's first and last positions
+        first = max(start >> shift if shift >= 0 else start // block_size, protected)
+        last = last >> shift if shift >= 0 else last // block_size
         for column in range(first, last + 1):
             block = block_table[r, column]
             if block < 0 or block > high:
@@ -256,26 +270,13 @@ def write_mha_lengths(query_lengths, kv_lengths, count, padded, mha_query_length
 
 
 @njit(cache=True)
-def write_mha_block_table(block_table, num_table_rows, count, padded, dummy,
-                          mha_block_table):
-    """The table half of ``write_mha_metadata``: rows ``< num_table_rows`` copied,
-    ``[num_table_rows, count)`` all ``D`` (the trailing pad request), ``[count, padded)``
-    all -1. block_table: int [>= num_table_rows, W]; mha_block_table: [>= padded, W].
-
-    >>> table = np.zeros((3, 2), np.int32)
-    >>> write_mha_block_table(np.array([[3, 4]]), 1, 2, 3, 99, table); table.tolist()
-    [[3, 4], [99, 99], [-1, -1]]
-    """
-    write_mha_block_rows(block_table, num_table_rows, count, padded, dummy, 0,
-                         mha_block_table)
-
-
-@njit(cache=True)
 def write_mha_block_rows(block_table, num_table_rows, count, padded, dummy, first_row,
                          mha_block_table):
-    """``write_mha_block_table`` for rows ``[first_row, padded)`` only, row ``i`` into
-    ``mha_block_table[i - first_row]``: the rows below ``first_row`` come from elsewhere
-    (the mirror path's persistent device table). W is ``mha_block_table.shape[1]``.
+    """The table half of ``write_mha_metadata`` over rows ``[first_row, padded)``, row
+    ``i`` into ``mha_block_table[i - first_row]``: rows ``< num_table_rows`` copied,
+    ``[num_table_rows, count)`` all ``D`` (the trailing pad request), ``[count, padded)``
+    all -1 (rows below a ``first_row > 0`` come from elsewhere: the mirror path's
+    persistent device table). W is ``mha_block_table.shape[1]``.
     block_table: int [>= num_table_rows, >= W]; mha_block_table: [>= padded - first_row, W].
 
     >>> table = np.zeros((2, 2), np.int32)  # rows 1 and 2 of three
@@ -320,8 +321,8 @@ def write_mha_metadata(query_lengths, kv_lengths, count, block_table, num_table_
     maxima = write_mha_lengths(query_lengths, kv_lengths, count, padded, mha_query_lengths,
                                mha_kv_seq_lengths, mha_cu_query_seq_lengths,
                                mha_cu_kv_seq_lengths)
-    write_mha_block_table(block_table, num_table_rows, count, padded, dummy,
-                          mha_block_table)
+    write_mha_block_rows(block_table, num_table_rows, count, padded, dummy, 0,
+                         mha_block_table)
     return maxima
 
 
@@ -334,9 +335,10 @@ def _draft_rows_status(offsets, block_table, block_counts, count, block_size, hi
     else -1 when an offset is negative or past the table (``offsets_in_table``), else 0."""
     width = block_table.shape[1]
     status = 0
+    shift = _shift_of(block_size)
     for i in range(count):
         position = np.int64(offsets[i])
-        column = position // block_size
+        column = position >> shift if shift >= 0 else position // block_size
         if position < 0 or column >= width:
             status = -1
             continue
@@ -350,9 +352,8 @@ def _draft_rows_status(offsets, block_table, block_counts, count, block_size, hi
 
 @njit(cache=True)
 def decode_step_maps(offsets, block_table, block_counts, count, padded, block_size, dummy,
-                     high,
-                     query_lengths, kv_lengths, pos_ids, block_idx, local_pos, request_idx,
-                     position_in_request, mha_query_lengths, mha_kv_seq_lengths,
+                     high, query_lengths, kv_lengths, pos_ids, block_idx, local_pos,
+                     request_idx, position_in_request, mha_query_lengths, mha_kv_seq_lengths,
                      mha_cu_query_seq_lengths, mha_cu_kv_seq_lengths):
     """One draft depth without its block table: token maps for rows ``0..n-1`` at
     ``offsets[:n]`` through ``block_table[:n]`` padded to ``padded``, the decode
@@ -388,9 +389,10 @@ def decode_step_maps(offsets, block_table, block_counts, count, padded, block_si
                                 high)
     if status < 0:
         return status
+    shift = _shift_of(block_size)
     for t in range(count):
-        _write_token(t, t, np.int64(offsets[t]), 0, block_table, block_size, dummy, pos_ids,
-                     block_idx, local_pos, request_idx, position_in_request)
+        _write_token(t, t, np.int64(offsets[t]), 0, block_table, block_size, shift, dummy,
+                     pos_ids, block_idx, local_pos, request_idx, position_in_request)
     _pad_token_maps(count, padded, dummy, block_idx, local_pos)
     stage_decode_lengths(offsets, count, query_lengths, kv_lengths)
     _, max_kv = write_mha_lengths(query_lengths, kv_lengths, count, padded,
@@ -423,13 +425,12 @@ def decode_step(offsets, block_table, block_counts, count, padded, block_size, d
     ([3, 6, 99, 0], [5, 3, 0, 0], [0, 6, 18, 18])
     """
     max_kv = decode_step_maps(offsets, block_table, block_counts, count, padded, block_size,
-                              dummy, high,
-                              query_lengths, kv_lengths, pos_ids, block_idx, local_pos,
-                              request_idx, position_in_request, mha_query_lengths,
+                              dummy, high, query_lengths, kv_lengths, pos_ids, block_idx,
+                              local_pos, request_idx, position_in_request, mha_query_lengths,
                               mha_kv_seq_lengths, mha_cu_query_seq_lengths,
                               mha_cu_kv_seq_lengths)
     if max_kv >= 0:
-        write_mha_block_table(block_table, count, count, padded, dummy, mha_block_table)
+        write_mha_block_rows(block_table, count, count, padded, dummy, 0, mha_block_table)
     return max_kv
 
 
