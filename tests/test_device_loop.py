@@ -195,6 +195,18 @@ def test_out_of_table_positions_go_to_the_dummy_block():
 
 
 # ------------------------------------------------------------------------ op counts
+def _standard_step_objects(view_kind):
+    """``(config, meta, view, steps)``: a mirror object, a view and 3 standard steps."""
+    from mtpmeta.bench.workload import StepConfig, make_steps
+
+    config = StepConfig()
+    meta = make_metadata("mirror", **{k: v for k, v in config.metadata_kwargs().items()
+                                     if k != "enabled"})
+    view = VIEWS[view_kind](config.max_requests, config.max_tokens, config.block_columns,
+                            "cpu")
+    return config, meta, view, make_steps(config, 3, seed=0)
+
+
 @pytest.mark.skipif(os.environ.get("MTPMETA_DEBUG") == "1",
                     reason="MTPMETA_DEBUG=1: the invariant checks issue torch ops")
 @pytest.mark.parametrize("view_kind", sorted(VIEWS))
@@ -204,14 +216,7 @@ def test_device_input_loop_op_budget(view_kind, n, padded):
     begin_decode 8 device data ops and 2 views (the inputs' rows), each planned depth
     1 (one _foreach_copy_: every pair of one word dtype, none converted), each advance
     1; no read-back and no new storage anywhere (the whole step's count: the next test)."""
-    from mtpmeta.bench.workload import StepConfig, make_steps
-
-    config = StepConfig()
-    meta = make_metadata("mirror", **{k: v for k, v in config.metadata_kwargs().items()
-                                     if k != "enabled"})
-    view = VIEWS[view_kind](config.max_requests, config.max_tokens, config.block_columns,
-                            "cpu")
-    steps = make_steps(config, 3, seed=0)
+    config, meta, view, steps = _standard_step_objects(view_kind)
     counts = {"begin": [], "depth": [], "advance": []}
     for index, inputs in enumerate(steps):  # loop 0 learns the view's dtypes, loop 1
         # plans in them (and fills the padded table's D columns in them, once)
@@ -258,40 +263,12 @@ def test_device_input_standard_step_meets_the_host_routes_step_budget(view_kind)
     route is held to (``test_op_budget.STEP_BUDGET``: 16 device data ops, its 3
     advances not counted; 3 per depth): every call is counted here, none assumed. It
     takes 14, and 17 with the advances; no read-back and no new storage."""
-    from mtpmeta.bench.workload import StepConfig, make_steps, run_rows
+    from mtpmeta.bench.callops import counted_step
     from tests.test_op_budget import BUDGET, STEP_BUDGET
 
-    config = StepConfig()
-    meta = make_metadata("mirror", **{k: v for k, v in config.metadata_kwargs().items()
-                                     if k != "enabled"})
-    view = VIEWS[view_kind](config.max_requests, config.max_tokens, config.block_columns,
-                            "cpu")
-    steps = make_steps(config, 3, seed=0)
-    calls = {}
-    for index, inputs in enumerate(steps):  # steps 0 and 1 warm the view's plans
-        host = inputs.as_numpy()
-
-        def counted(name, fn, *args, **kwargs):
-            with OpCounter() as counter:
-                fn(*args, **kwargs)
-            if index == 2:
-                calls.setdefault(name, []).append(counter)
-
-        counted("rows", run_rows, meta, host)
-        counted("carry", meta.carry_chunk_boundary, inputs.hidden, inputs.carry_req_id,
-                inputs.carry_position)
-        meta.take_chunk_boundary(inputs.carry_req_id, inputs.carry_position)
-        counted("begin", meta.begin_decode, config.active, config.padded_active,
-                inputs.start_positions, inputs.block_table, False)
-        for _ in range(config.depths):
-            counted("depth", meta.setup_decode_step, view)
-            counted("advance", meta.advance_decode_step)
-        meta.end_forward()
-        counted("commit", meta.setup_commit_pass, view, host.append_counts,
-                host.block_table, start_positions=host.commit_starts,
-                inherited_blocks=host.inherited, padded_token_count=host.padded_tokens,
-                padded_request_count=host.padded_requests)
-        meta.end_forward()
+    config, meta, view, steps = _standard_step_objects(view_kind)
+    for inputs in steps:  # steps 0 and 1 warm the view's plans; step 2 is counted
+        calls = counted_step(meta, view, inputs, config, commit_inputs=inputs.as_numpy())
     every = [c for counters in calls.values() for c in counters]
     assert all(c.scalar_reads == 0 and c.new_storages == 0 for c in every), \
         [c.ops for c in every if c.scalar_reads or c.new_storages]

@@ -16,9 +16,11 @@ __all__ = ["CALLS", "counted_step", "ops_per_call", "format_ops_per_call"]
 CALLS = ("rows", "carry", "begin_decode", "depth", "advance", "commit")
 
 
-def counted_step(meta: Any, view: Any, inputs: Any, config: Any) -> Dict[str, List[Any]]:
+def counted_step(meta: Any, view: Any, inputs: Any, config: Any,
+                 commit_inputs: Any = None) -> Dict[str, List[Any]]:
     """One standard step with an ``OpCounter`` per call: ``{call: [counters]}`` (one
-    counter per depth and per advance)."""
+    counter per depth and per advance). ``commit_inputs``: the commit pass's step inputs
+    when they differ from the draft loop's (device draft inputs, host commit inputs)."""
     from .opcount import OpCounter
     from .workload import run_rows
 
@@ -39,10 +41,11 @@ def counted_step(meta: Any, view: Any, inputs: Any, config: Any) -> Dict[str, Li
         counted("depth", meta.setup_decode_step, view)
         counted("advance", meta.advance_decode_step)
     meta.end_forward()
-    counted("commit", meta.setup_commit_pass, view, inputs.append_counts,
-            inputs.block_table, start_positions=inputs.commit_starts,
-            inherited_blocks=inputs.inherited, padded_token_count=inputs.padded_tokens,
-            padded_request_count=inputs.padded_requests)
+    commit = inputs if commit_inputs is None else commit_inputs
+    counted("commit", meta.setup_commit_pass, view, commit.append_counts,
+            commit.block_table, start_positions=commit.commit_starts,
+            inherited_blocks=commit.inherited, padded_token_count=commit.padded_tokens,
+            padded_request_count=commit.padded_requests)
     meta.end_forward()
     return calls
 
