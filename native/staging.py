@@ -328,14 +328,14 @@ def write_mha_metadata(query_lengths, kv_lengths, count, block_table, num_table_
 
 # ----------------------------------------------------------------------- fused forwards
 @njit(cache=True, inline='always')
-def _draft_rows_status(offsets, block_table, block_counts, count, block_size, high):
-    """One scan of a draft depth's rows: ``-2 - i`` for the first row ``i`` whose
-    written block is negative or above ``high``, or whose column is at or past
-    ``block_counts[i]`` (rows with a bad offset skipped, as ``first_bad_draft_block``),
-    else -1 when an offset is negative or past the table (``offsets_in_table``), else 0."""
+def _draft_rows_status(offsets, block_table, block_counts, count, block_size, shift, high):
+    """One scan of a draft depth's rows (``shift``: ``_shift_of(block_size)``):
+    ``-2 - i`` for the first row ``i`` whose written block is negative or above ``high``,
+    or whose column is at or past ``block_counts[i]`` (rows with a bad offset skipped,
+    as ``first_bad_draft_block``), else -1 for an offset negative or past the table, else
+    0."""
     width = block_table.shape[1]
     status = 0
-    shift = _shift_of(block_size)
     for i in range(count):
         position = np.int64(offsets[i])
         column = position >> shift if shift >= 0 else position // block_size
@@ -385,11 +385,11 @@ def decode_step_maps(offsets, block_table, block_counts, count, padded, block_si
     ...                  *tokens, *mha)  # row 1 writes column 1, past its count 1
     -3
     """
+    shift = _shift_of(block_size)
     status = _draft_rows_status(offsets, block_table, block_counts, count, block_size,
-                                high)
+                                shift, high)
     if status < 0:
         return status
-    shift = _shift_of(block_size)
     for t in range(count):
         _write_token(t, t, np.int64(offsets[t]), 0, block_table, block_size, shift, dummy,
                      pos_ids, block_idx, local_pos, request_idx, position_in_request)
