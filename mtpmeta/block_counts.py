@@ -15,7 +15,7 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 
-from . import native
+from . import native, table_threads
 from .gpu_view import ViewTarget
 from .inputs import as_host_ints, is_device_tensor, kernel_optional
 
@@ -142,8 +142,7 @@ def counted_commit(counts: np.ndarray, starts: Optional[np.ndarray], table: np.n
     if pad_tokens > 0 and result[1] == num_prefill and num_prefill:
         start = 0 if starts is None else int(starts[num_prefill - 1])
         absorb = start + int(counts[num_prefill - 1])
-    native.counts.write_counted_rows(table, block_counts, num_prefill, result[1],
+    table_threads.write_counted_rows(table, block_counts, num_prefill, result[1],
                                      result[2], dummy, dummy if fill is None else fill,
-                                     absorb, block_size, known,
-                                     known_rows, table_rows)
+                                     absorb, block_size, known, known_rows, table_rows)
     return result

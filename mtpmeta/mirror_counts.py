@@ -49,6 +49,9 @@ caller's bit for bit.
   3 data ops; no row is reused from the device. A token that writes a -1 column is
   refused as on whole rows (the pass's checks read the caller's table).
 
+The scan and the packed-row copies run on the calling thread, or on numba's threads
+when opted in (``mtpmeta.table_threads``).
+
 Rows that use most of the width are written the same way (``C`` may reach ``W``):
 their read is done, and no write exceeds a copy's. A commit pass takes the whole-row
 route instead, before any read, for a full batch whose last request absorbs the pad
@@ -62,7 +65,7 @@ from typing import Optional, Tuple
 import numpy as np
 import torch
 
-from . import captured, native
+from . import captured, native, table_threads
 from .block_counts import column_bucket, counted_commit, first_row_past_packed
 from .gpu_view import ViewTarget
 
@@ -183,7 +186,7 @@ class CountedStaging:
         same ``(C, fill)``; ``self._counts`` takes the counts."""
         shape = (rows.shape[1], fill)  # a slot's rows are known only at the same C, fill
         known = self._packed_rows[slot] if self._packed_columns[slot] == shape else 0
-        native.draft_state.stage_counted_inputs(
+        table_threads.stage_counted_inputs(
             start_positions, table_src, block_counts, count, self.block_size, fill,
             self._width, self._begin_arrays[slot][0][1:], rows, self._packed_widths[slot],
             known, self._counts)
@@ -196,7 +199,7 @@ class CountedStaging:
         counted begin with each row's used columns as its count and -1 past them, so
         the device table is the caller's bit for bit and only ``[n, C]`` rows cross."""
         used = self._counts
-        largest = native.draft_state.used_columns(table_src, count, used)
+        largest = table_threads.used_columns(table_src, count, used)
         self._begin_counted(count, start_positions, table_src, used, -1, int(largest))
         self.begin_derived = True
 
@@ -255,8 +258,8 @@ class CountedStaging:
                 (pad_tokens > 0 and num_prefill >= self.max_requests):
             return None
         used = self._commit_used
-        columns = column_bucket(int(native.draft_state.used_columns(table, num_prefill,
-                                                                    used)), target.width)
+        columns = column_bucket(table_threads.used_columns(table, num_prefill, used),
+                                target.width)
         return self._commit_packed(stage, target, counts, starts, table, inherited, used,
                                    columns, -1, padded_tokens, pad_tokens,
                                    min_padded_requests, padded_requests)

@@ -1,8 +1,9 @@
 """numba kernels of mtpmeta: numpy in, numpy out, never torch.
 
 Installed as ``mtpmeta.native``. Every kernel is a plain ``@njit(cache=True)`` function
-that writes into pre-allocated outputs and never raises; it reports through its return
-value. Helpers named ``_*`` are inlined into the kernels of their own file.
+(``draft_state.used_columns_threaded`` alone adds ``parallel=True``, and runs only when
+opted in) that writes into pre-allocated outputs and never raises; it reports through
+its return value. Helpers named ``_*`` are inlined into the kernels of their own file.
 
 What the kernels check, and what they trust:
 

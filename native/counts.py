@@ -7,7 +7,7 @@ file's kernel (numba's on-disk cache does not track other files).
 """
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 
 @njit(cache=True)
@@ -36,26 +36,61 @@ def write_counted_rows(block_table, block_counts, num_prefill, staged, padded, d
     ...                    known, 0, table); table.tolist(), known.tolist()
     ([[3, -1, -1], [99, 99, 99], [-1, -1, -1]], [1, 3, 3])
     """
-    width = mha_block_table.shape[1]
     for i in range(padded):
-        stale = np.int64(known[i]) if i < known_rows else np.int64(width)
-        if i >= staged:
-            for col in range(width):
-                mha_block_table[i, col] = -1
-            known[i] = width
-            continue
-        if i >= num_prefill:  # the pad request: all dummy
-            for col in range(0, width if fill != dummy else stale):
-                mha_block_table[i, col] = dummy
-            known[i] = 0 if fill == dummy else width
-            continue
+        _counted_row(i, block_table, block_counts, num_prefill, staged, dummy, fill,
+                     known, known_rows, mha_block_table)
+    _absorb(num_prefill, absorb_end, block_size, dummy, mha_block_table)
+
+
+@njit(parallel=True, cache=True)
+def write_counted_rows_threaded(block_table, block_counts, num_prefill, staged, padded,
+                                dummy, fill, absorb_end, block_size, known, known_rows,
+                                mha_block_table):
+    """``write_counted_rows``, its rows split over numba's threads (``parallel=True``,
+    as many as ``numba.set_num_threads`` set on the calling thread; each row's writes
+    are its own, the absorbing request's columns after them): the same writes. Shapes
+    as there.
+
+    >>> table, known = np.zeros((3, 3), np.int64), np.zeros(3, np.int32)
+    >>> write_counted_rows_threaded(np.array([[3, 4, 5], [6, 7, 8]]), np.array([1, 2]),
+    ...                             2, 2, 3, 99, 99, -1, 4, known, 0, table)
+    >>> table.tolist(), known.tolist()
+    ([[3, 99, 99], [6, 7, 99], [-1, -1, -1]], [1, 2, 3])
+    """
+    for i in prange(padded):
+        _counted_row(i, block_table, block_counts, num_prefill, staged, dummy, fill,
+                     known, known_rows, mha_block_table)
+    _absorb(num_prefill, absorb_end, block_size, dummy, mha_block_table)
+
+
+@njit(cache=True, inline='always')
+def _counted_row(i, block_table, block_counts, num_prefill, staged, dummy, fill, known,
+                 known_rows, mha_block_table):
+    """Row ``i`` of ``write_counted_rows`` and its ``known[i]``."""
+    width = mha_block_table.shape[1]
+    stale = np.int64(known[i]) if i < known_rows else np.int64(width)
+    if i >= staged:
+        for col in range(width):
+            mha_block_table[i, col] = -1
+        known[i] = width
+    elif i >= num_prefill:  # the pad request: all dummy
+        for col in range(0, width if fill != dummy else stale):
+            mha_block_table[i, col] = dummy
+        known[i] = 0 if fill == dummy else width
+    else:
         used = min(np.int64(block_counts[i]), width)
         for col in range(used):
             mha_block_table[i, col] = block_table[i, col]
         for col in range(used, stale):
             mha_block_table[i, col] = fill
         known[i] = used
+
+
+@njit(cache=True, inline='always')
+def _absorb(num_prefill, absorb_end, block_size, dummy, mha_block_table):
+    """``absorb_end >= 0``: the absorbing request's columns wholly at or past it get
+    ``dummy`` (``write_counted_rows``)."""
     if absorb_end >= 0 and num_prefill > 0:
         first = (np.int64(absorb_end) + block_size - 1) // block_size
-        for col in range(first, width):
+        for col in range(first, mha_block_table.shape[1]):
             mha_block_table[num_prefill - 1, col] = dummy

@@ -9,7 +9,7 @@ kernels that write token maps and MHA metadata.
 """
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 
 @njit(cache=True)
@@ -173,20 +173,53 @@ def stage_counted_inputs(start_positions, table_src, block_counts, count, block_
     >>> packed.tolist(), known.tolist(), offsets.tolist()
     ([[3, 99], [6, 7]], [1, 2], [1, 9])
     """
-    columns = packed.shape[1]
     if not offsets_in_table(start_positions, count, block_size, width):
         return False
     for i in range(count):
-        offsets[i] = start_positions[i]
-        used = np.int64(block_counts[i])
-        counts_out[i] = used
-        for col in range(used):
-            packed[i, col] = table_src[i, col]
-        stale = np.int64(packed_widths[i]) if i < packed_rows else np.int64(columns)
-        for col in range(used, stale):
-            packed[i, col] = dummy
-        packed_widths[i] = used
+        _stage_counted_row(i, start_positions, table_src, block_counts, dummy, offsets,
+                           packed, packed_widths, packed_rows, counts_out)
     return True
+
+
+@njit(parallel=True, cache=True)
+def stage_counted_inputs_threaded(start_positions, table_src, block_counts, count,
+                                  block_size, dummy, width, offsets, packed,
+                                  packed_widths, packed_rows, counts_out):
+    """``stage_counted_inputs``, its rows split over numba's threads (``parallel=True``,
+    as many as ``numba.set_num_threads`` set on the calling thread; each row's writes
+    are its own): the same writes and the same return. Shapes as there.
+
+    >>> offsets, used, known = np.zeros(2, np.int32), np.zeros(2, np.int32), \\
+    ...     np.zeros(2, np.int32)
+    >>> packed = np.zeros((2, 2), np.int64)
+    >>> stage_counted_inputs_threaded(np.array([1, 9]), np.array([[3, 4, 5], [6, 7, 8]]),
+    ...                               np.array([1, 2]), 2, 8, 99, 3, offsets, packed,
+    ...                               known, 0, used)
+    True
+    >>> packed.tolist(), known.tolist(), offsets.tolist()
+    ([[3, 99], [6, 7]], [1, 2], [1, 9])
+    """
+    if not offsets_in_table(start_positions, count, block_size, width):
+        return False
+    for i in prange(count):
+        _stage_counted_row(i, start_positions, table_src, block_counts, dummy, offsets,
+                           packed, packed_widths, packed_rows, counts_out)
+    return True
+
+
+@njit(cache=True, inline='always')
+def _stage_counted_row(i, start_positions, table_src, block_counts, dummy, offsets,
+                       packed, packed_widths, packed_rows, counts_out):
+    """Row ``i`` of ``stage_counted_inputs`` (its offset, count and packed row)."""
+    offsets[i] = start_positions[i]
+    used = np.int64(block_counts[i])
+    counts_out[i] = used
+    for col in range(used):
+        packed[i, col] = table_src[i, col]
+    stale = np.int64(packed_widths[i]) if i < packed_rows else np.int64(packed.shape[1])
+    for col in range(used, stale):
+        packed[i, col] = dummy
+    packed_widths[i] = used
 
 
 @njit(cache=True)
@@ -203,14 +236,43 @@ def used_columns(table_src, count, counts_out):
     >>> used.tolist()
     [1, 0, 3]
     """
-    width = table_src.shape[1]
     largest = np.int64(0)
     for i in range(count):
-        used = np.int64(0)
-        for col in range(width):
-            if table_src[i, col] != -1:
-                used = col + 1
+        used = _row_used(table_src, i)
         counts_out[i] = used
         if used > largest:
             largest = used
+    return largest
+
+
+@njit(cache=True, inline='always')
+def _row_used(table_src, i):
+    """Row ``i``'s columns before its trailing run of -1 (``used_columns``)."""
+    used = np.int64(0)
+    for col in range(table_src.shape[1]):
+        if table_src[i, col] != -1:
+            used = col + 1
+    return used
+
+
+@njit(parallel=True, cache=True)
+def used_columns_threaded(table_src, count, counts_out):
+    """``used_columns``, its rows split over numba's threads (``parallel=True``; as
+    many as ``numba.set_num_threads`` set on the calling thread): the same
+    ``counts_out[:count]`` and the same return. The only kernel that is not
+    single-threaded, for ``mtpmeta.mirror_counts.SCAN_THREADS`` above 1.
+    table_src: int [>= count, W]; counts_out: int32 [>= count].
+
+    >>> used = np.zeros(3, np.int32)
+    >>> used_columns_threaded(np.array([[3, -1, -1], [-1, -1, -1], [4, -1, 5]]), 3, used)
+    3
+    >>> used.tolist()
+    [1, 0, 3]
+    """
+    for i in prange(count):
+        counts_out[i] = _row_used(table_src, i)
+    largest = np.int64(0)
+    for i in range(count):
+        if counts_out[i] > largest:
+            largest = np.int64(counts_out[i])
     return largest

@@ -544,10 +544,13 @@ def test_matching_rows_matches_naive(rng):
     assert full and partial
 
 
-def test_used_columns_matches_naive(rng):
+@pytest.mark.parametrize("kernel", ["used_columns", "used_columns_threaded"])
+def test_used_columns_matches_naive(rng, kernel):
     """A wide default-route call ships each row only up to this count and -1 past it:
     a count one short drops a real block (a wrong block read), and one that misses a
-    block after a -1 hole, or in the last column, does too."""
+    block after a -1 hole, or in the last column, does too. The threaded scan (the
+    opt-in ``SCAN_THREADS``; its rows on numba's threads) returns the same."""
+    scan = getattr(native.draft_state, kernel)
     holes = last = 0
     for _ in range(4 * CASES):
         num_rows, width, _ = geometry(rng)
@@ -558,7 +561,7 @@ def test_used_columns_matches_naive(rng):
         count = int(rng.integers(0, num_rows + 1))
         want_out, got_out = np.zeros(num_rows, np.int32), np.zeros(num_rows, np.int32)
         want = naive.used_columns(table, count, want_out)
-        assert native.draft_state.used_columns(table, count, got_out) == want
+        assert scan(table, count, got_out) == want
         assert np.array_equal(got_out[:count], want_out[:count])
         holes += bool(count) and bool((table[:count] == -1).any())
         last += bool(count) and int(want_out[:count].max()) == width

@@ -13,7 +13,9 @@ data op". The reference's read-backs on meta are answered from the host
 (``HostKnownReference``): ``syncs`` counts them, upstream's syncs per step. On the
 standard trace it also times the device-input route (the draft loop's start positions
 and table already meta tensors) through the fused calls, and "the drop-in": upstream's
-helper sequence calling mtpmeta's individual writers with device inputs.
+helper sequence calling mtpmeta's individual writers with device inputs. On the
+production trace it also times the mirror path and the captured loop with the opt-in
+table threads (``THREADED_ROWS``: two of numba's threads).
 """
 
 from __future__ import annotations
@@ -33,22 +35,28 @@ from .trace import PRODUCTION_TRACE, PRODUCTION_WIDE_TRACE, STANDARD_TRACE, Trac
 from .trace_replay import CountingRuntime, DeviceOpCounter, Replay, device_inputs, \
     known_syncs
 
-__all__ = ["LAUNCH_US", "ROWS", "measure_trace", "format_trace", "trace_geometries",
-           "run_trace"]
+__all__ = ["LAUNCH_US", "ROWS", "THREADED_ROWS", "measure_trace", "format_trace",
+           "trace_geometries", "run_trace"]
 
 LAUNCH_US = 4.0  # the CUDA driver's launch cost per device data op, for the estimate
-#: (label, path, device, device inputs, block counts)
-ROWS = (("reference", "reference", "meta", False, False),
-        ("mirror", "mirror", "meta", False, False),
-        ("captured", "captured", "meta", False, False),
-        ("mirror, block counts", "mirror", "meta", False, True),
-        ("captured, block counts", "captured", "meta", False, True),
-        ("reference", "reference", "cpu", False, False),
-        ("direct", "direct", "cpu", False, False), ("mirror", "mirror", "cpu", False, False),
-        ("captured", "captured", "cpu", False, False))
-DEVICE_ROWS = (("reference, device inputs", "reference", "meta", True, False),
-               ("mirror, device inputs", "mirror", "meta", True, False),
-               ("drop-in, device inputs", "drop-in", "meta", True, False))
+#: (label, path, device, device inputs, block counts, table threads). ``THREADED_ROWS``
+#: time the opt-in table threads (``mtpmeta.table_threads``) on the production trace
+#: only (the standard trace's table passes are small and take no derived scan).
+ROWS = (("reference", "reference", "meta", False, False, 1),
+        ("mirror", "mirror", "meta", False, False, 1),
+        ("captured", "captured", "meta", False, False, 1),
+        ("mirror, block counts", "mirror", "meta", False, True, 1),
+        ("captured, block counts", "captured", "meta", False, True, 1),
+        ("reference", "reference", "cpu", False, False, 1),
+        ("direct", "direct", "cpu", False, False, 1),
+        ("mirror", "mirror", "cpu", False, False, 1),
+        ("captured", "captured", "cpu", False, False, 1))
+THREADED_ROWS = (("mirror, 2 threads", "mirror", "meta", False, False, 2),
+                 ("captured, 2 threads", "captured", "meta", False, False, 2),
+                 ("mirror, counts, 2 threads", "mirror", "meta", False, True, 2))
+DEVICE_ROWS = (("reference, device inputs", "reference", "meta", True, False, 1),
+               ("mirror, device inputs", "mirror", "meta", True, False, 1),
+               ("drop-in, device inputs", "drop-in", "meta", True, False, 1))
 #: The production trace at W 8192 (issue 24 item 4: host cost that follows the blocks
 #: in use): meta rows only.
 WIDE_ROWS = ROWS[:4]
@@ -136,13 +144,14 @@ def measure_trace(config: TraceConfig, steps: int, *, repeats: int = 5, seed: in
     with cpp_meta_kernels() as info:
         result["micro_us_cpp_meta"] = micro_us()
         replays, inputs = {}, {}
-        for label, path, device, on_device, with_counts in rows:
+        for label, path, device, on_device, with_counts, threads in rows:
             key = f"{label} @{device}"
             replays[key] = Replay(path, config, torch.device(device),
                                   table_device=device if on_device else "cpu",
                                   known=known if (path in ("reference", "drop-in")
                                                   and device == "meta")
-                                  else None, counts=with_counts)
+                                  else None, counts=with_counts,
+                                  table_threads=threads)
             inputs[key] = meta_trace if on_device else trace
         counts, used = {}, set()
         for key, replay in replays.items():  # warm (JIT, plans), then count
@@ -162,12 +171,13 @@ def measure_trace(config: TraceConfig, steps: int, *, repeats: int = 5, seed: in
             for index in rng.permutation(len(order)):
                 key = order[index]
                 samples[key].append(_timed_pass(replays[key], inputs[key]))
-        for (label, path, device, on_device, with_counts), key in zip(rows, replays):
+        for (label, path, device, on_device, with_counts, threads), key in zip(rows,
+                                                                             replays):
             per_step = [statistics.median(s) for s in zip(*samples[key])]
             row = {"label": label, "path": path, "device": device,
                    "device_inputs": on_device, "median_us": statistics.median(per_step),
                    "p90_us": _percentile(per_step, 90), **counts[key],
-                   "block_counts": with_counts,
+                   "block_counts": with_counts, "table_threads": threads,
                    "runtime_calls": _runtime_calls(path, config, inputs[key], device,
                                                    on_device, replays[key].known,
                                                    with_counts)}
@@ -201,7 +211,7 @@ def run_trace(args: Any) -> int:
         if wide:  # the mirror path only, with and without counts (memory, time)
             mismatch = check_trace(config, make_trace(config, 4, seed=args.seed),
                                    paths=("mirror",), counts=("mirror",),
-                                   device_inputs=False)
+                                   device_inputs=False, threaded=("mirror",))
         else:
             mismatch = check_trace(config, make_trace(config, steps, seed=args.seed))
         if mismatch:
@@ -209,15 +219,17 @@ def run_trace(args: Any) -> int:
                   file=sys.stderr)
             return 1
         print(f"{name} trace: " + (
-            "mirror, with and without block counts, leaves the reference's view and "
-            "buffers on the first 4 steps (CPU)" if wide
+            "mirror, with and without block counts and on two table threads, leaves "
+            "the reference's view and buffers on the first 4 steps (CPU)" if wide
             else f"direct, mirror, captured, mirror with device inputs and the drop-in, "
-            f"and the first three with block counts, leave the reference's view and "
-            f"buffers on all {steps} steps (CPU)"))
+            f"the first three with block counts, and mirror and captured on two table "
+            f"threads with and without them, leave the reference's view and buffers "
+            f"on all {steps} steps (CPU)"))
         out[name] = measure_trace(config, steps, repeats=args.repeats or
                                   (2 if args.quick else 5), seed=args.seed,
                                   device_route=name == "standard",
-                                  rows=WIDE_ROWS if wide else None)
+                                  rows=WIDE_ROWS if wide else
+                                  ROWS + THREADED_ROWS if name == "production" else None)
         print(format_trace(name, out[name]))
     if args.json:
         with open(args.json, "w") as handle:
