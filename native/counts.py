@@ -36,9 +36,8 @@ def write_counted_rows(block_table, block_counts, num_prefill, staged, padded, d
     ...                    known, 0, table); table.tolist(), known.tolist()
     ([[3, -1, -1], [99, 99, 99], [-1, -1, -1]], [1, 3, 3])
     """
-    for i in range(padded):
-        _counted_row(i, block_table, block_counts, num_prefill, staged, dummy, fill,
-                     known, known_rows, mha_block_table)
+    _counted_rows(0, padded, block_table, block_counts, num_prefill, staged, dummy, fill,
+                  known, known_rows, mha_block_table)
     _absorb(num_prefill, absorb_end, block_size, dummy, mha_block_table)
 
 
@@ -58,26 +57,28 @@ def write_counted_rows_threaded(block_table, block_counts, num_prefill, staged, 
     ([[3, 99, 99], [6, 7, 99], [-1, -1, -1]], [1, 2, 3])
     """
     for i in prange(padded):
-        _counted_row(i, block_table, block_counts, num_prefill, staged, dummy, fill,
-                     known, known_rows, mha_block_table)
+        _counted_rows(i, i + 1, block_table, block_counts, num_prefill, staged, dummy,
+                      fill, known, known_rows, mha_block_table)
     _absorb(num_prefill, absorb_end, block_size, dummy, mha_block_table)
 
 
 @njit(cache=True, inline='always')
-def _counted_row(i, block_table, block_counts, num_prefill, staged, dummy, fill, known,
-                 known_rows, mha_block_table):
-    """Row ``i`` of ``write_counted_rows`` and its ``known[i]``."""
+def _counted_rows(first, end, block_table, block_counts, num_prefill, staged, dummy, fill,
+                  known, known_rows, mha_block_table):
+    """Rows ``[first, end)`` of ``write_counted_rows`` and their ``known``."""
     width = mha_block_table.shape[1]
-    stale = np.int64(known[i]) if i < known_rows else np.int64(width)
-    if i >= staged:
-        for col in range(width):
-            mha_block_table[i, col] = -1
-        known[i] = width
-    elif i >= num_prefill:  # the pad request: all dummy
-        for col in range(0, width if fill != dummy else stale):
-            mha_block_table[i, col] = dummy
-        known[i] = 0 if fill == dummy else width
-    else:
+    for i in range(first, end):
+        stale = np.int64(known[i]) if i < known_rows else np.int64(width)
+        if i >= staged:
+            for col in range(width):
+                mha_block_table[i, col] = -1
+            known[i] = width
+            continue
+        if i >= num_prefill:  # the pad request: all dummy
+            for col in range(0, width if fill != dummy else stale):
+                mha_block_table[i, col] = dummy
+            known[i] = 0 if fill == dummy else width
+            continue
         used = min(np.int64(block_counts[i]), width)
         for col in range(used):
             mha_block_table[i, col] = block_table[i, col]
