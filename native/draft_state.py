@@ -175,9 +175,8 @@ def stage_counted_inputs(start_positions, table_src, block_counts, count, block_
     """
     if not offsets_in_table(start_positions, count, block_size, width):
         return False
-    for i in range(count):
-        _stage_counted_row(i, start_positions, table_src, block_counts, dummy, offsets,
-                           packed, packed_widths, packed_rows, counts_out)
+    _stage_counted_rows(0, count, start_positions, table_src, block_counts, dummy,
+                        offsets, packed, packed_widths, packed_rows, counts_out)
     return True
 
 
@@ -189,37 +188,40 @@ def stage_counted_inputs_threaded(start_positions, table_src, block_counts, coun
     as many as ``numba.set_num_threads`` set on the calling thread; each row's writes
     are its own): the same writes and the same return. Shapes as there.
 
-    >>> offsets, used, known = np.zeros(2, np.int32), np.zeros(2, np.int32), \\
-    ...     np.zeros(2, np.int32)
-    >>> packed = np.zeros((2, 2), np.int64)
-    >>> stage_counted_inputs_threaded(np.array([1, 9]), np.array([[3, 4, 5], [6, 7, 8]]),
-    ...                               np.array([1, 2]), 2, 8, 99, 3, offsets, packed,
-    ...                               known, 0, used)
+    >>> offsets, used = np.zeros(2, np.int32), np.zeros(2, np.int32)
+    >>> known, packed = np.array([2, 2], np.int32), np.full((2, 2), 99)
+    >>> table = np.array([[1, 2, 3], [4, 5, 6]])
+    >>> stage_counted_inputs_threaded(np.array([2, 10]), table, np.array([2, 1]), 2, 8,
+    ...                               -1, 3, offsets, packed, known, 2, used)
     True
     >>> packed.tolist(), known.tolist(), offsets.tolist()
-    ([[3, 99], [6, 7]], [1, 2], [1, 9])
+    ([[1, 2], [4, -1]], [2, 1], [2, 10])
+    >>> stage_counted_inputs_threaded(np.array([24, 0]), table, np.array([2, 1]), 2, 8,
+    ...                               -1, 3, offsets, packed, known, 2, used)
+    False
     """
     if not offsets_in_table(start_positions, count, block_size, width):
         return False
     for i in prange(count):
-        _stage_counted_row(i, start_positions, table_src, block_counts, dummy, offsets,
-                           packed, packed_widths, packed_rows, counts_out)
+        _stage_counted_rows(i, i + 1, start_positions, table_src, block_counts, dummy,
+                            offsets, packed, packed_widths, packed_rows, counts_out)
     return True
 
 
 @njit(cache=True, inline='always')
-def _stage_counted_row(i, start_positions, table_src, block_counts, dummy, offsets,
-                       packed, packed_widths, packed_rows, counts_out):
-    """Row ``i`` of ``stage_counted_inputs`` (its offset, count and packed row)."""
-    offsets[i] = start_positions[i]
-    used = np.int64(block_counts[i])
-    counts_out[i] = used
-    for col in range(used):
-        packed[i, col] = table_src[i, col]
-    stale = np.int64(packed_widths[i]) if i < packed_rows else np.int64(packed.shape[1])
-    for col in range(used, stale):
-        packed[i, col] = dummy
-    packed_widths[i] = used
+def _stage_counted_rows(first, end, start_positions, table_src, block_counts, dummy,
+                        offsets, packed, packed_widths, packed_rows, counts_out):
+    """Rows ``[first, end)`` of ``stage_counted_inputs`` (offsets, counts, packed rows)."""
+    for i in range(first, end):
+        offsets[i] = start_positions[i]
+        used = np.int64(block_counts[i])
+        counts_out[i] = used
+        for col in range(used):
+            packed[i, col] = table_src[i, col]
+        stale = np.int64(packed_widths[i]) if i < packed_rows else np.int64(packed.shape[1])
+        for col in range(used, stale):
+            packed[i, col] = dummy
+        packed_widths[i] = used
 
 
 @njit(cache=True)
