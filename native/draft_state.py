@@ -212,13 +212,14 @@ def stage_counted_inputs_threaded(start_positions, table_src, block_counts, coun
 def _stage_counted_rows(first, end, start_positions, table_src, block_counts, dummy,
                         offsets, packed, packed_widths, packed_rows, counts_out):
     """Rows ``[first, end)`` of ``stage_counted_inputs`` (offsets, counts, packed rows)."""
+    columns = packed.shape[1]
     for i in range(first, end):
         offsets[i] = start_positions[i]
         used = np.int64(block_counts[i])
         counts_out[i] = used
         for col in range(used):
             packed[i, col] = table_src[i, col]
-        stale = np.int64(packed_widths[i]) if i < packed_rows else np.int64(packed.shape[1])
+        stale = np.int64(packed_widths[i]) if i < packed_rows else np.int64(columns)
         for col in range(used, stale):
             packed[i, col] = dummy
         packed_widths[i] = used
@@ -261,9 +262,8 @@ def _row_used(table_src, i):
 def used_columns_threaded(table_src, count, counts_out):
     """``used_columns``, its rows split over numba's threads (``parallel=True``; as
     many as ``numba.set_num_threads`` set on the calling thread): the same
-    ``counts_out[:count]`` and the same return. The only kernel that is not
-    single-threaded, for ``mtpmeta.mirror_counts.SCAN_THREADS`` above 1.
-    table_src: int [>= count, W]; counts_out: int32 [>= count].
+    ``counts_out[:count]`` and the same return; run for ``mtpmeta.table_threads.THREADS``
+    above 1. table_src: int [>= count, W]; counts_out: int32 [>= count].
 
     >>> used = np.zeros(3, np.int32)
     >>> used_columns_threaded(np.array([[3, -1, -1], [-1, -1, -1], [4, -1, 5]]), 3, used)

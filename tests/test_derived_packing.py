@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 
-import numba
 import numpy as np
 import pytest
 import torch
@@ -31,7 +30,7 @@ import mtpmeta.table_threads
 from mtpmeta import ContextGPUView, MTPMetadata
 from mtpmeta.bench.opcount import OpCounter
 from mtpmeta.reference import ReferenceGPUView, ReferenceMTPMetadata
-from tests.test_block_counts import step_inputs
+from tests.test_block_counts import TABLE_THREADS, step_inputs
 from tests.helpers import (assert_buffers_equal, assert_same_state, assert_views_equal,
                            buffer_state, config, view_state)
 
@@ -42,11 +41,6 @@ def _route(monkeypatch, derived: bool) -> None:
     """Force the derived route on (both thresholds 0) or off, for the next calls."""
     for name in ("DERIVED_MIN_ENTRIES", "DERIVED_MIN_WIDTH"):
         monkeypatch.setattr(mtpmeta.mirror_counts, name, 0 if derived else 1 << 30)
-
-
-#: The table passes' threads (``mtpmeta.table_threads.THREADS``): the default 1, and
-#: the opt-in threaded passes on two of numba's threads where numba has two.
-TABLE_THREADS = (1, min(2, numba.config.NUMBA_NUM_THREADS))
 
 
 def _pair(width: int, dtype: torch.dtype):
