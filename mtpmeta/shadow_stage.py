@@ -365,11 +365,8 @@ class CommitStage(_FixedStage):
 
     def __init__(self, target: ViewTarget, ring: Any, buffers: Any, cap: int,
                  requests: int, device_table: Tensor) -> None:
-        dtypes = ViewFields(*(tensor.dtype for tensor in target.fields))
-        by_name = {entry[0]: entry
-                   for entry in view_entries(requests, cap, target.width, dtypes)}
         table = target.fields.mha_block_table
-        super().__init__(target, ring, buffers, tuple(by_name[name] for name in _COMMIT),
+        super().__init__(target, ring, buffers, self._entries(target, cap, requests),
                          cap, {"table": (table, device_table),
                                "query_lengths": (buffers.query_lengths, _LENGTHS[0])},
                          _COMMIT_CLASSES)
@@ -402,18 +399,32 @@ class CommitStage(_FixedStage):
         device table a pass's leading rows are placed from (the mirror path's private
         reuse table, never a public buffer)."""
         requests = min(max_requests, target.max_requests)
-        stage = cls(target, ring, buffers, target.max_tokens, requests, device_table)
-        if stage.layout.nbytes <= ring.slot_bytes:
-            return stage._prebuilt_tokens()
-        bare = cls(target, ring, buffers, 0, requests, device_table)
-        per_token = sum(dtype.itemsize for name, dtype in zip(bare.layout.names,
-                                                              bare.layout.dtypes)
-                        if name in _PAD_ROWS + _REAL_ROWS)
-        cap = (ring.slot_bytes - bare.layout.nbytes - _ALIGN * 5) // per_token
-        if cap < max_requests:
-            return None
-        stage = cls(target, ring, buffers, cap, requests, device_table)
-        return stage._prebuilt_tokens() if stage.layout.nbytes <= ring.slot_bytes else None
+        # Sized from the layouts alone: a stage's fields are views over the ring's zone
+        # (one slot's bytes), so a stage is built only once its layout fits there.
+        cap = target.max_tokens
+        if cls._layout(target, cap, requests).nbytes > ring.slot_bytes:
+            bare = cls._layout(target, 0, requests)
+            per_token = sum(dtype.itemsize for name, dtype in zip(bare.names, bare.dtypes)
+                            if name in _PAD_ROWS + _REAL_ROWS)
+            cap = (ring.slot_bytes - bare.nbytes - _ALIGN * 5) // per_token
+            if cap < max_requests or \
+                    cls._layout(target, cap, requests).nbytes > ring.slot_bytes:
+                return None
+        return cls(target, ring, buffers, cap, requests, device_table)._prebuilt_tokens()
+
+    @staticmethod
+    def _entries(target: ViewTarget, cap: int, requests: int) -> tuple:
+        """The stage's ``(name, dtype, shape)`` entries in memory order (``_COMMIT``),
+        in the dtypes of ``target``'s view, at ``requests`` rows and ``cap`` tokens."""
+        dtypes = ViewFields(*(tensor.dtype for tensor in target.fields))
+        by_name = {entry[0]: entry
+                   for entry in view_entries(requests, cap, target.width, dtypes)}
+        return tuple(by_name[name] for name in _COMMIT)
+
+    @classmethod
+    def _layout(cls, target: ViewTarget, cap: int, requests: int) -> PackedLayout:
+        """The packed layout a stage of ``cap`` tokens and ``requests`` rows would have."""
+        return PackedLayout.build(cls._entries(target, cap, requests), align=_ALIGN)
 
     def _prebuilt_tokens(self) -> "CommitStage":
         """This stage with every prefix of its real-token roles built (up to
