@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from typing import List, Optional
 
-from . import __version__
+from mtpmeta._version import __version__
 
 USAGE = f"""usage: mtpmeta COMMAND [options]   (mtpmeta --version: {__version__})
 
@@ -23,11 +23,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"mtpmeta {__version__}")
         return 0
     if argv[0] == "bench":
-        from .bench import main as bench_main
+        from mtpmeta.bench import main as bench_main
 
         return bench_main(argv[1:])
     if argv[0] == "simulate":
-        from .simulate.cli import main as simulate_main
+        from mtpmeta.simulate.cli import main as simulate_main
 
         return simulate_main(argv[1:])
     print(f"mtpmeta: unknown command {argv[0]!r}; the commands are 'bench' and "

@@ -18,10 +18,10 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 import torch
 
-from .errors import InvalidDtypeError
-from .inputs import dtype_range
-from .cache import BoundedCache
-from .layout import PackedLayout, record_type
+from mtpmeta.errors import InvalidDtypeError
+from mtpmeta.buffers.layout import dtype_range
+from mtpmeta.buffers.bounded_cache import BoundedCache
+from mtpmeta.buffers.layout import PackedLayout, record_type
 
 __all__ = ["ContextGPUView", "ViewField", "VIEW_FIELDS", "ViewFields", "kernel_args",
            "view_entries"]

@@ -12,17 +12,17 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from . import native
-from .checks import (check_allocate, check_carry, check_commit_inputs, check_config,
+from mtpmeta.kernels import native
+from mtpmeta.validation.checks import (check_allocate, check_carry, check_commit_inputs, check_config,
                      check_prefill_lengths, check_row_pair, check_take,
                      raise_commit_block, raise_refused_row_pair)
-from .errors import CarryNotAllocatedError
-from .inputs import as_row_indices, check_flag, raise_row_out_of_range
-from .captured_loop import CapturedLoop
-from .draft_loop import DraftLoop
-from .writers import ViewWriters
-from .state import MetadataState, carry_setter, install_debug_checks_from_env
-from .types import ForwardRecord, ForwardShape, MTPForwardMode
+from mtpmeta.errors import CarryNotAllocatedError
+from mtpmeta.validation.inputs import as_row_indices, check_flag, raise_row_out_of_range
+from mtpmeta.calls.captured_loop import CapturedLoop
+from mtpmeta.calls.draft_loop import DraftLoop
+from mtpmeta.calls.writers import ViewWriters
+from mtpmeta.calls.state import MetadataState, carry_setter, install_debug_checks_from_env
+from mtpmeta.types import ForwardRecord, ForwardShape, MTPForwardMode
 
 __all__ = ["MTPMetadata"]
 
@@ -176,7 +176,7 @@ class MTPMetadata(MetadataState, CapturedLoop, DraftLoop, ViewWriters):
                 wait stalls it (see docs/architecture.md "Mirror path costs"). Unused
                 on the direct path.
 
-        The device runtime (streams, events, pinned memory; ``mtpmeta.runtime``) in
+        The device runtime (streams, events, pinned memory; ``mtpmeta.buffers.device_runtime``) in
         effect now is the one these buffers use for their lifetime.
         """
         if not self.enabled:
@@ -378,12 +378,12 @@ class MTPMetadata(MetadataState, CapturedLoop, DraftLoop, ViewWriters):
         slot. ``gpu_view`` defaults to the view of ``last_forward`` (anything but a
         destination view is a ``ValueError``). A debug tool: it
         reads the buffers and the view back (a sync on CUDA). The list is in
-        ``mtpmeta.invariants``.
+        ``mtpmeta.debug.invariants``.
         """
-        from .invariants import check_invariants
+        from mtpmeta.debug.invariants import check_invariants
 
         check_invariants(self, gpu_view)
 
-# --- debug checks (mtpmeta.invariants) ---
+# --- debug checks (mtpmeta.debug.invariants) ---
 install_debug_checks_from_env(MTPMetadata)  # MTPMETA_DEBUG=1 wraps the public methods
-# --- end debug checks (mtpmeta.invariants) ---
+# --- end debug checks (mtpmeta.debug.invariants) ---

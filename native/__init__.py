@@ -3,7 +3,7 @@
 Installed as ``mtpmeta.native``. Every kernel is a plain ``@njit(cache=True)`` function
 (the three ``*_threaded`` kernels, ``draft_state.used_columns_threaded`` /
 ``stage_counted_inputs_threaded`` and ``counts.write_counted_rows_threaded``, add
-``parallel=True`` and run only when opted in: ``mtpmeta.table_threads``) that writes
+``parallel=True`` and run only when opted in: ``mtpmeta.kernels.table_threads``) that writes
 into pre-allocated outputs and never raises; it reports through its return value.
 Helpers named ``_*`` are inlined into the kernels of their own file.
 

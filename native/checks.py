@@ -60,7 +60,7 @@ def first_outside_closed(values, low, high):
 from .staging import (BAD_WRITTEN_BLOCK, BLOCKS_OK, INHERITED_OUT_OF_RANGE,  # noqa: E402,F401
                       first_bad_commit_block)
 # Codes of ``check_token_inputs`` / ``check_commit_inputs`` below: defined with every
-# other kernel status code in ``staging``, the module ``mtpmeta.check_bounds`` decodes.
+# other kernel status code in ``staging``, the module ``mtpmeta.validation.bounds`` decodes.
 from .staging import (BLOCK_COLUMN_TOO_LARGE, NEGATIVE_COUNT, NEGATIVE_POSITION,  # noqa: E402,F401
                       ROW_OUT_OF_INHERITED, ROW_OUT_OF_TABLE, TOKENS_OK)
 

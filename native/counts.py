@@ -1,4 +1,4 @@
-"""The table rows of a commit pass with the opt-in block counts (``mtpmeta.block_counts``).
+"""The table rows of a commit pass with the opt-in block counts (``mtpmeta.validation.block_counts``).
 
 ``staging.commit_pass`` writes everything else of the pass (called with a first table
 row past the last request, it writes no table row); ``write_counted_rows`` then writes

@@ -262,7 +262,7 @@ def _row_used(table_src, i):
 def used_columns_threaded(table_src, count, counts_out):
     """``used_columns``, its rows split over numba's threads (``parallel=True``; as
     many as ``numba.set_num_threads`` set on the calling thread): the same
-    ``counts_out[:count]`` and the same return; run for ``mtpmeta.table_threads.THREADS``
+    ``counts_out[:count]`` and the same return; run for ``mtpmeta.kernels.table_threads.THREADS``
     above 1. table_src: int [>= count, W]; counts_out: int32 [>= count].
 
     >>> used = np.zeros(3, np.int32)

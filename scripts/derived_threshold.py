@@ -1,5 +1,5 @@
 """Where the default route's derived counts pay: the thresholds of
-``mtpmeta.mirror_counts`` (``DERIVED_MIN_ENTRIES``, ``DERIVED_MIN_WIDTH``) measured.
+``mtpmeta.mirror.counted`` (``DERIVED_MIN_ENTRIES``, ``DERIVED_MIN_WIDTH``) measured.
 
 Usage: ``python scripts/derived_threshold.py [steps]`` (default 40; about 30 s).
 
@@ -22,7 +22,7 @@ from typing import Dict, List
 
 import torch
 
-import mtpmeta.mirror_counts as counts
+import mtpmeta.mirror.counted as counts
 from mtpmeta.bench.meta_device import cpp_meta_kernels
 from mtpmeta.bench.trace import PRODUCTION_TRACE, STANDARD_TRACE, TraceConfig, make_trace
 from mtpmeta.bench.trace_bench import _timed_pass

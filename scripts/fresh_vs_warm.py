@@ -37,7 +37,7 @@ import torch
 from mtpmeta import ContextGPUView, MTPMetadata
 from mtpmeta.bench.production import PRODUCTION
 from mtpmeta.bench.workload import StepConfig, make_steps, run_step
-from mtpmeta.layout import round_up
+from mtpmeta.buffers.layout import round_up
 
 GEOMETRIES = {"standard": (StepConfig(), (154, 208), 40),
               "production": (PRODUCTION, (615, 810), 16)}
@@ -162,7 +162,7 @@ def trace_regions(region) -> None:
     from mtpmeta.bench.meta_device import cpp_meta_kernels
     from mtpmeta.bench.trace import PRODUCTION_TRACE, STANDARD_TRACE, make_trace
     from mtpmeta.bench.trace_replay import CountingRuntime, Replay, known_syncs
-    from mtpmeta.runtime import use_runtime
+    from mtpmeta.buffers.device_runtime import use_runtime
 
     def prepare_only(r, steps):  # Replay.replay without the calls it times
         r.reset()

@@ -28,7 +28,7 @@ from mtpmeta import native
 from mtpmeta.bench.meta_device import cpp_meta_kernels
 from mtpmeta.bench.trace import PRODUCTION_TRACE, make_trace
 from mtpmeta.bench.trace_replay import CountingRuntime, Replay
-from mtpmeta.runtime import use_runtime
+from mtpmeta.buffers.device_runtime import use_runtime
 
 
 def _timed(samples: Dict[str, List[float]], key: str, run: Callable[[], object]) -> object:

@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-import mtpmeta.checks as checks_module
-import mtpmeta.writer_checks as writer_checks_module
+import mtpmeta.validation.checks as checks_module
+import mtpmeta.validation.writer_inputs as writer_checks_module
 from tests.helpers import PATHS
 
 

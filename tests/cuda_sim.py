@@ -27,7 +27,7 @@ on a side stream, as ``torch.cuda.graph`` does; capturing the legacy default str
 refused. Captures are global-mode: an event query or sync anywhere invalidates every
 capture underway, and work issued on another stream meanwhile is counted
 (``uncaptured_during_capture``). The library reaches the simulator only through
-``mtpmeta.runtime.use_runtime`` (entered by ``with sim:``): ``host_empty``,
+``mtpmeta.buffers.device_runtime.use_runtime`` (entered by ``with sim:``): ``host_empty``,
 ``is_host``/``is_device``/``to_host`` (by storage kind, so simulated device tensors take
 the library's device route), ``record_stream``, ``event``, ``current_stream``,
 ``is_capturing`` (any stream) and ``fence``, the last returning the library's own
@@ -82,7 +82,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from mtpmeta.runtime import TorchRuntime, use_runtime
+from mtpmeta.buffers.device_runtime import TorchRuntime, use_runtime
 
 __all__ = ["CudaSim", "SimStream", "SimEvent", "SimGraph", "SimDeviceError",
            "CaptureSyncError", "PINNED", "DEVICE", "PAGEABLE"]
@@ -231,7 +231,7 @@ class _NoOpFence:
 
 
 class SimRuntime(TorchRuntime):
-    """The ``mtpmeta.runtime.DeviceRuntime`` the simulator installs: ``TorchRuntime``
+    """The ``mtpmeta.buffers.device_runtime.DeviceRuntime`` the simulator installs: ``TorchRuntime``
     with the CUDA primitives replaced (memory kinds, events, streams, capture state);
     the fence factory is the real one."""
 

@@ -10,7 +10,7 @@ from typing import Any, Dict
 import torch
 
 from mtpmeta import VIEW_FIELDS, ContextGPUView, MTPMetadata
-from mtpmeta.buffers import BUFFER_NAMES
+from mtpmeta.buffers.persistent import BUFFER_NAMES
 from mtpmeta.reference import ReferenceGPUView, ReferenceMTPMetadata
 
 PATHS = ("direct", "mirror")

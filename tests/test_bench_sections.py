@@ -11,7 +11,7 @@ from mtpmeta.bench.fresh_shapes import fresh_steps
 from mtpmeta.bench.h2d import H2DCounter, StagingRecorder
 from mtpmeta.bench.production import production_steps, upstream_h2d_bytes
 from mtpmeta.bench.workload import StepConfig, make_steps
-from mtpmeta.runtime import use_runtime
+from mtpmeta.buffers.device_runtime import use_runtime
 
 
 def test_fresh_steps_never_repeat_a_shape():

@@ -22,7 +22,7 @@ from mtpmeta.bench.opcount import OpCounter
 from mtpmeta.bench.trace import PRODUCTION_TRACE, STANDARD_TRACE, TraceConfig, \
     make_trace, trace_shape_stats
 from mtpmeta.bench.trace_replay import CountingRuntime, Replay, check_trace, known_syncs
-from mtpmeta.runtime import use_runtime
+from mtpmeta.buffers.device_runtime import use_runtime
 
 
 def _equal(a, b) -> bool:

@@ -24,13 +24,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import mtpmeta.table_threads
+import mtpmeta.kernels.table_threads
 from mtpmeta import ContextGPUView, MTPMetadata
 from mtpmeta.bench.h2d import H2DCounter, StagingRecorder
 from mtpmeta.bench.opcount import OpCounter
-from mtpmeta.block_counts import column_bucket
+from mtpmeta.kernels.counted import column_bucket
 from mtpmeta.reference import ReferenceGPUView, ReferenceMTPMetadata
-from mtpmeta.runtime import use_runtime
+from mtpmeta.buffers.device_runtime import use_runtime
 from tests.helpers import (assert_buffers_equal, assert_same_state, assert_views_equal,
                            buffer_state, config, view_state)
 
@@ -41,7 +41,7 @@ KWARGS = config(max_requests=R, max_kv_block_count=W, block_size_tokens=BS,
                 dummy_block_idx=D)
 TOKENS = 64
 PATHS = ("direct", "mirror")
-#: ``mtpmeta.table_threads.THREADS``: the default 1, and the opt-in threaded table
+#: ``mtpmeta.kernels.table_threads.THREADS``: the default 1, and the opt-in threaded table
 #: passes on two of numba's threads where numba has two.
 TABLE_THREADS = (1, min(2, numba.config.NUMBA_NUM_THREADS))
 
@@ -173,7 +173,7 @@ def test_views_and_buffers_equal_the_oracle_with_or_without_counts(path, width, 
     is read, the device rows hold D there, and a commit after a counted begin (or the
     other way round) reuses no row it would not ship. The same with the packed rows
     written on numba's threads (``table_threads``)."""
-    monkeypatch.setattr(mtpmeta.table_threads, "THREADS", threads)
+    monkeypatch.setattr(mtpmeta.kernels.table_threads, "THREADS", threads)
     rng = np.random.default_rng(seed)
     pair = Pair(path, width)
     depths = 3
@@ -425,7 +425,7 @@ def test_reused_staging_slots_never_leak_stale_blocks(slots, threads, monkeypatc
     (counted or plain), with the largest count jumping between buckets, every one equal
     to the reference on the masked table (a stale entry past a count would show). The
     same with the packed rows written on numba's threads (``table_threads``)."""
-    monkeypatch.setattr(mtpmeta.table_threads, "THREADS", threads)
+    monkeypatch.setattr(mtpmeta.kernels.table_threads, "THREADS", threads)
     width = 40
     pair = Pair("mirror", width)
     pair.meta.allocate("cpu", mirror=True, max_tokens=TOKENS, staging_slots=slots)

@@ -8,7 +8,7 @@ then replays it after ``begin_decode(n', P, ..., capture_setup=True)`` for ``n'`
 snapshots the view, the cache and the draft buffers after every depth (static outputs,
 as a real graph's), and they must equal what the default route writes on a twin object
 for the same steps. Two negative controls, planted through the seams
-(``mtpmeta.captured.mark_pad_rows``, ``mtpmeta.captured.stage_count``), must make that
+(``mtpmeta.mirror.captured_route.mark_pad_rows``, ``mtpmeta.buffers.persistent.stage_count``), must make that
 comparison fail.
 """
 
@@ -22,9 +22,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import mtpmeta.captured as captured_module
+import mtpmeta.buffers.persistent as persistent_module
+import mtpmeta.mirror.captured_route as captured_module
 from mtpmeta import ContextGPUView, MTPMetadata
-from mtpmeta.captured import ADVANCE_OPS, DEPTH_OPS
+from mtpmeta.mirror.captured_route import ADVANCE_OPS, DEPTH_OPS
 from mtpmeta import ForwardModeError, GraphCaptureError, MTPForwardMode, StaleOffsetsError
 from mtpmeta.simulate.paged import PagedKVCache
 from tests.captured_helpers import (BS, CFG, CU_FIELDS, D, DEPTHS, FIELDS, P,
@@ -186,7 +187,7 @@ def test_negative_control_count_not_restaged_fails(path, monkeypatch):
     """Plant: begin_decode does not restage the device count, so it keeps the
     capture's P. Every replay with n' < P then treats stale rows as real: the
     comparison must fail (KV cache included)."""
-    monkeypatch.setattr(captured_module, "stage_count", lambda head, count: None)
+    monkeypatch.setattr(persistent_module, "stage_count", lambda head, count: None)
     steps = schedule(1)
     got, _, _ = captured_run(path, steps, 1)
     bad = differences(got, default_route_run(path, steps))

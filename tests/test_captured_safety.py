@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from mtpmeta import ContextGPUView, MTPForwardMode, MTPMetadata, StaleOffsetsError
-from mtpmeta.captured import DEPTH_OPS
+from mtpmeta.mirror.captured_route import DEPTH_OPS
 from tests.cuda_sim import CudaSim, SimGraph
 from tests.helpers import (PATHS, assert_same_state, buffer_state, config, make_metadata,
                            view_state)

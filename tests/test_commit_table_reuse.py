@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from mtpmeta import ContextGPUView, MTPMetadata
 from mtpmeta.bench.h2d import H2DCounter, StagingRecorder
 from mtpmeta.reference import ReferenceGPUView, ReferenceMTPMetadata
-from mtpmeta.runtime import use_runtime
+from mtpmeta.buffers.device_runtime import use_runtime
 from tests.cuda_sim import CudaSim, SimGraph
 from tests.helpers import assert_views_equal, config
 from tests.test_cuda_sim import (assert_no_hidden_copies, host, make_sim,  # noqa: F401
@@ -388,7 +388,7 @@ def test_unordered_streams_let_the_next_begin_overwrite_the_rows_read(make_sim,
     """Negative control: with the cross-stream ordering of the persistent buffers
     removed, the device-row read races the next upload and some commit reads a wrong
     row (so the test above can fail)."""
-    from mtpmeta.runtime import StreamOrder
+    from mtpmeta.buffers.device_runtime import StreamOrder
 
     monkeypatch.setattr(StreamOrder, "enter", lambda self: None)
     assert sum(commits_between_begins_on_two_streams(make_sim(seed, idle=0.9), seed)

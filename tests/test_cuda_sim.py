@@ -2,7 +2,7 @@
 
 The simulator queues device work on streams and lets a seeded "device" run behind the
 host, reads pinned memory when a queued copy executes, and records ops under graph
-capture. The library reaches it only through ``mtpmeta.runtime.use_runtime``. A
+capture. The library reaches it only through ``mtpmeta.buffers.device_runtime.use_runtime``. A
 "forward" here is a device copy of the destination view (and of the draft buffers)
 queued right after each view-writing call: what the model's kernels would read then.
 

@@ -25,8 +25,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import mtpmeta.mirror_counts
-import mtpmeta.table_threads
+import mtpmeta.mirror.counted
+import mtpmeta.kernels.table_threads
 from mtpmeta import ContextGPUView, MTPMetadata
 from mtpmeta.bench.opcount import OpCounter
 from mtpmeta.reference import ReferenceGPUView, ReferenceMTPMetadata
@@ -40,7 +40,7 @@ R, BS, TOKENS = 8, 4, 64
 def _route(monkeypatch, derived: bool) -> None:
     """Force the derived route on (both thresholds 0) or off, for the next calls."""
     for name in ("DERIVED_MIN_ENTRIES", "DERIVED_MIN_WIDTH"):
-        monkeypatch.setattr(mtpmeta.mirror_counts, name, 0 if derived else 1 << 30)
+        monkeypatch.setattr(mtpmeta.mirror.counted, name, 0 if derived else 1 << 30)
 
 
 def _pair(width: int, dtype: torch.dtype):
@@ -80,7 +80,7 @@ def test_packed_begins_equal_the_reference_on_the_raw_table(dtype, threads, seed
     equal the reference's after each call; where a whole-row begin's depth is refused
     (a -1 block written), the packed one is refused with the same message, nothing
     changed."""
-    monkeypatch.setattr(mtpmeta.table_threads, "THREADS", threads)
+    monkeypatch.setattr(mtpmeta.kernels.table_threads, "THREADS", threads)
     rng = np.random.default_rng(seed)
     width = int(rng.choice([6, 40]))
     meta, view, ref, ref_view = _pair(width, dtype)
@@ -184,7 +184,7 @@ def test_wide_calls_pack_at_the_default_threshold_within_their_op_budgets():
     table[:, :5] = np.arange(rows * 5, dtype=np.int32).reshape(rows, 5)
     starts = np.zeros(rows, np.int32)
     n = 40
-    assert mtpmeta.mirror_counts.derives(n * width, width)
+    assert mtpmeta.mirror.counted.derives(n * width, width)
     for round_ in range(3):
         table[:, 5] = -1 if round_ % 2 else 3  # the bucket stays 8 columns
         with OpCounter() as counter:
@@ -236,8 +236,8 @@ def test_the_default_route_needs_both_thresholds(rows, width, derived):
     meta = MTPMetadata(**kwargs)
     meta.allocate("cpu", mirror=True, max_tokens=TOKENS)
     n = rows - 40
-    assert n * width >= mtpmeta.mirror_counts.DERIVED_MIN_ENTRIES
-    assert (width >= mtpmeta.mirror_counts.DERIVED_MIN_WIDTH) == derived
+    assert n * width >= mtpmeta.mirror.counted.DERIVED_MIN_ENTRIES
+    assert (width >= mtpmeta.mirror.counted.DERIVED_MIN_WIDTH) == derived
     table = np.full((rows, width), -1, np.int32)
     table[:, :3] = np.arange(rows * 3, dtype=np.int32).reshape(rows, 3)
     meta.begin_decode(n, n, np.zeros(rows, np.int32), table, False)
@@ -256,7 +256,7 @@ def test_packed_commit_passes_equal_the_reference_on_the_raw_table(width, thread
     batches whose last request absorbs the pad) on raw tables with -1 past each row's
     blocks: the view and every buffer equal the reference's; where a whole-row pass is
     refused, the packed one is refused with the same message, nothing changed."""
-    monkeypatch.setattr(mtpmeta.table_threads, "THREADS", threads)
+    monkeypatch.setattr(mtpmeta.kernels.table_threads, "THREADS", threads)
     rng = np.random.default_rng(seed)
     meta, view, ref, ref_view = _pair(width, torch.int32)
     whole, whole_view, _, _ = _pair(width, torch.int32)

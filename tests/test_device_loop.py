@@ -1,4 +1,4 @@
-"""The device-input draft loop planned at ``begin_decode`` (``mtpmeta.device_loop``).
+"""The device-input draft loop planned at ``begin_decode`` (``mtpmeta.mirror.device_draft_plan``).
 
 With device start positions the mirror path plans the loop's first ``PLANNED_DEPTHS``
 depths in a few batched ops at the begin, and each depth places its planned row with
@@ -18,7 +18,7 @@ import torch
 
 from mtpmeta import ContextGPUView
 from mtpmeta.bench.opcount import OpCounter
-from mtpmeta.buffers import PLANNED_DEPTHS
+from mtpmeta.buffers.persistent import PLANNED_DEPTHS
 from mtpmeta.reference import ReferenceGPUView
 from tests.helpers import assert_buffers_equal, assert_views_equal, make_metadata, \
     make_reference

@@ -10,7 +10,8 @@ import numpy as np
 import torch
 
 from mtpmeta import ContextGPUView
-from mtpmeta import direct, native
+import mtpmeta.direct.backend as direct
+from mtpmeta.kernels import native
 from mtpmeta.reference import ReferenceGPUView, ReferenceMTPMetadata
 from tests.helpers import assert_views_equal
 from tests.test_block_counts import (BS, KWARGS, R, TOKENS, W, build,
@@ -18,7 +19,7 @@ from tests.test_block_counts import (BS, KWARGS, R, TOKENS, W, build,
 
 
 class _CountingNumpy:
-    """numpy as ``mtpmeta.direct`` sees it, counting the arrays it allocates."""
+    """numpy as ``mtpmeta.direct.backend`` sees it, counting the arrays it allocates."""
 
     def __init__(self) -> None:
         self.allocations = 0
@@ -84,7 +85,7 @@ def test_a_view_wider_than_max_requests_grows_the_buffer_once():
 
 def test_each_view_gets_the_entry_point_of_its_own_field_types():
     """A draft depth calls the compiled entry point of its view's field types, never
-    the dispatcher's typing (``mtpmeta.kernel_entry``): depths alternating between a
+    the dispatcher's typing (``mtpmeta.kernels.pinned_entry``): depths alternating between a
     view of the default dtypes and one whose block fields are rebound to int64, and a
     field rebound mid-loop, each equal the reference's view. Failure story: one entry
     point kept for every view would unbox an int64 field as int32 (wrong ids or worse)."""

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from mtpmeta import ContextGPUView
-from mtpmeta.runtime import CopyFence, TorchRuntime
-from mtpmeta.staging import StagingRing
+from mtpmeta.buffers.device_runtime import CopyFence, TorchRuntime
+from mtpmeta.mirror.pinned_ring import StagingRing
 
 
 class RecordingFence:
@@ -69,8 +69,8 @@ def test_mirror_backend_records_after_issuing_and_waits_before_restaging():
     """Through the public API: every forward's slot is released (fence recorded) after
     its copy is issued, and restaging into a slot waits on that slot's fence first."""
     from tests.helpers import config
-    from mtpmeta.buffers import PersistentBuffers
-    from mtpmeta.mirror import MirrorBackend
+    from mtpmeta.buffers.persistent import PersistentBuffers
+    from mtpmeta.mirror.backend import MirrorBackend
 
     _fresh_fences()
     kwargs = config()

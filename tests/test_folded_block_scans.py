@@ -9,7 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mtpmeta import checks, inputs, writer_checks
+import mtpmeta.validation.checks as checks
+import mtpmeta.validation.inputs as inputs
+import mtpmeta.validation.writer_inputs as writer_checks
 from mtpmeta.bench.variants import build
 from mtpmeta.bench.workload import StepConfig, make_steps, run_commit, run_step
 

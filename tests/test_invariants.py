@@ -20,7 +20,7 @@ import torch
 import mtpmeta
 from mtpmeta import ContextGPUView, InvariantError, MTPForwardMode, MTPMetadata
 from mtpmeta.errors import ChunkCarryError
-from mtpmeta.invariants import install_debug_checks
+from mtpmeta.debug.invariants import install_debug_checks
 from tests.helpers import config, make_metadata, make_views
 
 D = 999

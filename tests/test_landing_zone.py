@@ -17,7 +17,7 @@ from typing import Any, List
 import numpy as np
 import pytest
 
-from mtpmeta.runtime import StreamOrder
+from mtpmeta.buffers.device_runtime import StreamOrder
 from tests.cuda_sim import CudaSim
 from tests.test_cuda_sim import (FIELDS, host, make_sim, new_pair,  # noqa: F401
                                  random_call)
@@ -95,7 +95,7 @@ def test_two_streams_catch_a_zone_reused_without_the_stream_wait(make_sim, monke
     """Negative control: commit passes only (no draft loop, so a view depends on
     nothing but what its own pass staged), without the wait: some stream's pass must
     place another pass's data (the next H2D copy into the zone overtook it)."""
-    monkeypatch.setattr("mtpmeta.mirror.StreamOrder", _NoWait)
+    monkeypatch.setattr("mtpmeta.mirror.backend.StreamOrder", _NoWait)
     wrong = [index for seed in range(4)
              for index in wrong_views(make_sim(seed, idle=1.0), seed, depths=False)]
     assert wrong, "the two-stream test cannot see the zone reused across streams"

@@ -123,7 +123,7 @@ def test_every_foreach_copy_takes_cudas_fused_path(layout, graphed):
     fan out into a copy per field. Covered: host-input steps (carry, begin, depths,
     commit pass), then a device-input loop (planned depths and two past the plan) and
     device-input ``write_mha_metadata``, on both layouts."""
-    from mtpmeta.buffers import PLANNED_DEPTHS
+    from mtpmeta.buffers.persistent import PLANNED_DEPTHS
 
     config = replace(SIM_STEP, graphed=graphed)
     steps = make_steps(config, 3, seed=7)

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from mtpmeta.bench.opcount import OpCounter
-from mtpmeta.placement import CopyPlan, word_view
+from mtpmeta.mirror.copy_plan import CopyPlan, word_view
 
 
 def test_copy_plan_writes_what_one_copy_per_pair_writes(rng):

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from mtpmeta import MTPMetadata
-from mtpmeta.cache import BoundedCache
-from mtpmeta.layout import PackedLayout
-from mtpmeta.placement import CopyPlan
-from mtpmeta.prefixes import Prefixes
-from mtpmeta.shadow_stage import CommitStage, _FixedStage
+from mtpmeta.buffers.bounded_cache import BoundedCache
+from mtpmeta.buffers.layout import PackedLayout
+from mtpmeta.mirror.copy_plan import CopyPlan
+from mtpmeta.mirror.prefixes import Prefixes
+from mtpmeta.mirror.stages import CommitStage, _FixedStage
 
 from .helpers import (assert_buffers_equal, assert_views_equal, config, make_reference,
                       make_view)
@@ -249,7 +249,7 @@ def test_a_new_real_token_count_builds_no_prefix(monkeypatch):
     real token count T is new each time (P, padded tokens and requests fixed) build
     nothing after the first; each view equals the reference's (pad tokens' request,
     position and pos id are never written, so a copy over more than T would show)."""
-    from mtpmeta.shadow_stage import PREBUILT_TOKENS
+    from mtpmeta.mirror.stages import PREBUILT_TOKENS
 
     assert TOKENS <= PREBUILT_TOKENS
     meta, ref, view, ref_view = _mirror_and_reference(R, W)
@@ -312,7 +312,7 @@ def test_begin_views_are_per_slot_and_bucket_of_rows():
     every slot keep at most slots x 3 buckets of them (per (slot, n): up to 192); the
     buffers equal the reference's after every begin, and so does a commit pass that
     takes the rows from the device copy (the landed rows past n are never read)."""
-    from mtpmeta.mirror import BEGIN_ROWS
+    from mtpmeta.mirror.backend import BEGIN_ROWS
 
     requests = 3 * BEGIN_ROWS
     meta, ref, view, ref_view = _mirror_and_reference(requests, W)
@@ -384,7 +384,7 @@ def test_length_classes_issue_the_pair_by_pair_copies(monkeypatch):
 def test_length_classes_must_hold_each_role_once():
     """A role in no class would never be copied, one in two classes twice: building
     the classes refuses both, so an edit of a stage's class table cannot drop a copy."""
-    from mtpmeta.prefixes import PrefixGroup
+    from mtpmeta.mirror.prefixes import PrefixGroup
 
     counter = [0]
     roles = [(Prefixes(torch.zeros(4), False, counter),

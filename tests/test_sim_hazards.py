@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-import mtpmeta.mirror as mirror_module
+import mtpmeta.mirror.backend as mirror_module
 from mtpmeta import ContextGPUView, GraphCaptureError, MTPMetadata
 from mtpmeta.bench.workload import make_steps, run_step
 from tests.cuda_sim import DEVICE, PAGEABLE, CaptureSyncError, CudaSim, SimGraph
@@ -603,7 +603,7 @@ def test_draft_loops_scan_their_sums_without_a_workspace(make_sim):
     captured route's depths run eagerly. A 1-D ``cumsum`` there (a cub scan, whose
     temporary storage comes from the caching allocator at every call) would be an
     allocation inside the draft loop. Each depth's view equals the reference's."""
-    from mtpmeta.buffers import PLANNED_DEPTHS
+    from mtpmeta.buffers.persistent import PLANNED_DEPTHS
 
     rng = np.random.default_rng(5)
     sim = make_sim(6)

@@ -1,5 +1,5 @@
 """The kernels' status codes: plain ints in ``native/`` (numba kernels return ints),
-``IntEnum``s in ``mtpmeta.check_bounds``, the one module that decodes them.
+``IntEnum``s in ``mtpmeta.validation.bounds``, the one module that decodes them.
 
 Failure story: a code is renumbered or added in ``native/`` while ``check_bounds`` still
 decodes the old numbers, so a refused input raises the wrong message, or none and the
@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 
 from mtpmeta import native
-from mtpmeta.check_bounds import CarryStatus, TokenStatus
+from mtpmeta.validation.bounds import CarryStatus, TokenStatus
 from tests import naive
 
 
 # The block-id scans' codes (``first_bad_token_block`` / ``first_bad_commit_block``),
-# defined beside the token codes in ``staging``; ``mtpmeta.checks`` reads them by name.
+# defined beside the token codes in ``staging``; ``mtpmeta.validation.checks`` reads them by name.
 BLOCK_CODES = {"BLOCKS_OK": 0, "INHERITED_OUT_OF_RANGE": 1, "BAD_WRITTEN_BLOCK": 2}
 
 

@@ -1,4 +1,4 @@
-"""The opt-in threads of the table passes (``mtpmeta.table_threads``): the threaded
+"""The opt-in threads of the table passes (``mtpmeta.kernels.table_threads``): the threaded
 kernels write what the single-threaded ones write, every call takes the kernel its
 setting names on the thread count it names, and a bad setting is refused. The
 mirror-path oracle tests (``test_derived_packing``, ``test_block_counts``) also run
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-import mtpmeta.table_threads
+import mtpmeta.kernels.table_threads
 from mtpmeta import native
 from tests.test_derived_packing import R, _pair, _route, _table
 from tests.test_block_counts import step_inputs
@@ -80,7 +80,7 @@ def test_each_table_pass_takes_the_kernel_its_setting_names(threads, monkeypatch
             monkeypatch.setattr(module, kernel_name,
                                 lambda *a, _k=kernel, _n=kernel_name: calls.append(_n)
                                 or _k(*a))
-    monkeypatch.setattr(mtpmeta.table_threads, "THREADS", threads)
+    monkeypatch.setattr(mtpmeta.kernels.table_threads, "THREADS", threads)
     numba.set_num_threads(1)
     _route(monkeypatch, True)
     rng = np.random.default_rng(threads)
@@ -110,8 +110,8 @@ def test_a_bad_setting_is_refused_naming_the_variable_and_the_bound():
     """``MTPMETA_TABLE_THREADS``: '' is 1; not an integer, or outside [1,
     NUMBA_NUM_THREADS], is a ValueError naming the variable and the bound."""
     bound = numba.config.NUMBA_NUM_THREADS
-    assert mtpmeta.table_threads.threads_from("") == 1
-    assert mtpmeta.table_threads.threads_from(str(bound)) == bound
+    assert mtpmeta.kernels.table_threads.threads_from("") == 1
+    assert mtpmeta.kernels.table_threads.threads_from(str(bound)) == bound
     for bad in ("0", "-1", str(bound + 1), "two"):
         with pytest.raises(ValueError, match=rf"MTPMETA_TABLE_THREADS.*\[1, {bound}\]"):
-            mtpmeta.table_threads.threads_from(bad)
+            mtpmeta.kernels.table_threads.threads_from(bad)

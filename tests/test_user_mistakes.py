@@ -458,7 +458,7 @@ def test_a_device_input_on_another_device_names_the_device_it_got():
                          r"got a tensor on meta$")
     _refused(meta, [view], lambda: meta.begin_decode(2, 2, on_meta, table, False),
              ValueError, r"^start_positions: .* tensor on cpu, got a tensor on meta$")
-    from mtpmeta.inputs import check_device_tensors  # a list beside a device tensor
+    from mtpmeta.validation.inputs import check_device_tensors  # a list beside a device tensor
 
     with pytest.raises(ValueError, match=r"^positions: .* tensor on cpu, got a list$"):
         check_device_tensors(torch.device("cpu"), (("positions", [0, 1], 1),))

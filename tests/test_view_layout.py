@@ -59,7 +59,7 @@ def test_no_code_indexes_view_fields_by_position():
     assert offenders == []
 
 
-@pytest.mark.parametrize("module", ["mtpmeta.layout", "mtpmeta.cache"])
+@pytest.mark.parametrize("module", ["mtpmeta.buffers.layout", "mtpmeta.buffers.bounded_cache"])
 def test_docstring_examples_hold(module):
     import doctest
     import importlib

@@ -4,7 +4,7 @@ Upstream's ``ContextGPUView`` (megatron-core 0.19.2) cuts every field out of ONE
 zero-initialised ``uint8`` buffer ``_buf``, in the order below. The MTP writers touch
 ten of those fields; the rest (input ids, the context's request fields, the real token
 count) sit between and around them and must keep every byte. Written here by hand from
-the SPEC table, independently of ``mtpmeta.layout``, so a layout bug in the library
+the SPEC table, independently of ``mtpmeta.buffers.layout``, so a layout bug in the library
 cannot hide in the test view too.
 """
 

@@ -7,6 +7,6 @@ cost per call), ``instructions`` (callgrind counts), ``opcount`` (a torch op cou
 ``usage`` (option checks and help format, shared with ``mtpmeta simulate``).
 """
 
-from .cli import main
+from mtpmeta.bench.cli import main
 
 __all__ = ["main"]

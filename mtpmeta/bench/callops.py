@@ -21,8 +21,8 @@ def counted_step(meta: Any, view: Any, inputs: Any, config: Any,
     """One standard step with an ``OpCounter`` per call: ``{call: [counters]}`` (one
     counter per depth and per advance). ``commit_inputs``: the commit pass's step inputs
     when they differ from the draft loop's (device draft inputs, host commit inputs)."""
-    from .opcount import OpCounter
-    from .workload import run_rows
+    from mtpmeta.bench.opcount import OpCounter
+    from mtpmeta.bench.workload import run_rows
 
     calls: Dict[str, List[Any]] = {name: [] for name in CALLS}
 
@@ -60,8 +60,8 @@ def _count(meta: Any, view: Any, inputs: Any, config: Any) -> Dict[str, int]:
 def ops_per_call(config: Any) -> Dict[str, Dict[str, int]]:
     """``{path: {call: data ops}}`` (per depth and per advance: one of each) on warm
     objects, for the reference and the mirror path (CPU-forced)."""
-    from .variants import build
-    from .workload import make_steps, run_step
+    from mtpmeta.bench.variants import build
+    from mtpmeta.bench.workload import make_steps, run_step
 
     steps = make_steps(config, 3, seed=0)
     out = {}

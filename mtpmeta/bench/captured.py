@@ -17,10 +17,10 @@ from typing import Any, Dict, List
 
 import torch
 
-from ..captured import ADVANCE_OPS, DEPTH_OPS
-from .opcount import OpCounter
-from .variants import build, implementations
-from .workload import StepConfig, StepInputs, run_draft
+from mtpmeta.mirror.captured_route import ADVANCE_OPS, DEPTH_OPS
+from mtpmeta.bench.opcount import OpCounter
+from mtpmeta.bench.variants import build, implementations
+from mtpmeta.bench.workload import StepConfig, StepInputs, run_draft
 
 __all__ = ["measure_captured", "format_captured"]
 
@@ -81,7 +81,7 @@ def measure_captured(config: StepConfig, steps: List[StepInputs], repeats: int,
         }
         if (depth.data_ops, advance.data_ops) != (DEPTH_OPS, ADVANCE_OPS):
             raise RuntimeError(f"captured depth issued {depth.data_ops} + "
-                               f"{advance.data_ops} ops; mtpmeta.captured documents "
+                               f"{advance.data_ops} ops; mtpmeta.mirror.captured_route documents "
                                f"{DEPTH_OPS} + {ADVANCE_OPS}")
     return out
 

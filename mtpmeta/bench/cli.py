@@ -30,13 +30,13 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from .measure import cold_start, load_now, machine_load, measure, sweep
-from .report import (LEGEND, TARGETS_NOTE, load_lines, spread_line, table, target_lines,
+from mtpmeta.bench.measure import cold_start, load_now, machine_load, measure, sweep
+from mtpmeta.bench.report import (LEGEND, TARGETS_NOTE, load_lines, spread_line, table, target_lines,
                      target_summary, verdict_line)
-from .usage import (ToolParser, device_problem, missing_module, output_problem, parse,
+from mtpmeta.bench.usage import (ToolParser, device_problem, missing_module, output_problem, parse,
                     positive_int, usage_error)
-from .variants import check_identical, floor_matches, implementations
-from .workload import StepConfig, make_steps
+from mtpmeta.bench.variants import check_identical, floor_matches, implementations
+from mtpmeta.bench.workload import StepConfig, make_steps
 
 __all__ = ["main"]
 
@@ -136,7 +136,7 @@ def _config_problem(args) -> Optional[str]:
 def _usage_problem(args) -> Optional[str]:
     """The first option that cannot work, as one line, or None: checked before any
     work, so a bad option costs nothing."""
-    from .instructions import unavailable
+    from mtpmeta.bench.instructions import unavailable
 
     problem = device_problem(args.device) or _config_problem(args)
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
@@ -162,7 +162,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if problem:
         return usage_error(PROG, problem)
     if args.trace:
-        from .trace_bench import run_trace
+        from mtpmeta.bench.trace_bench import run_trace
         return run_trace(args)
     config = StepConfig(max_requests=args.max_requests, active=args.active,
                         depths=args.depths, block_size=args.block_size,
@@ -198,7 +198,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(spread_line(results))
     for line in load_lines(load) if load else ():
         print(line)
-    from .captured import format_captured, measure_captured  # the captured draft loop
+    from mtpmeta.bench.captured import format_captured, measure_captured  # the captured draft loop
 
     _note("timing the captured draft loop")
     captured = measure_captured(config, steps, repeats, device)
@@ -212,7 +212,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                                   "same_result": True}
     input_cost = None
     if on_cpu and not args.no_per_call:
-        from .percall import format_input_cost, input_cost as measure_input_cost
+        from mtpmeta.bench.percall import format_input_cost, input_cost as measure_input_cost
 
         _note("timing torch against numpy inputs per call")
         input_cost = measure_input_cost(config, repeats=5 if args.quick else 9,
@@ -235,7 +235,7 @@ def main(argv: Optional[List[str]] = None) -> int:
               f"files), {cold['warm_s']:.2f} s with it warm (median of "
               f"{len(cold['warm_runs_s'])}): {cold['compile_s']:.2f} s of compilation")
     if args.instructions:
-        from .instructions import count_step_instructions, format_instructions
+        from mtpmeta.bench.instructions import count_step_instructions, format_instructions
 
         _note("counting instructions under callgrind")
         output["instructions"] = count_step_instructions(config, steps=len(steps),
@@ -271,7 +271,7 @@ def _note(text: str) -> None:
 def _plot(args, output: Dict[str, Any], spreads: Dict[str, Any], sweep_passes: int,
           width_passes: int) -> None:
     """The ``--plot`` figure: a panel per sweep that ran, medians with per-pass spread."""
-    from .plots import Panel, plot
+    from mtpmeta.bench.plots import Panel, plot
 
     panels = []
     if "width_sweep" in output:

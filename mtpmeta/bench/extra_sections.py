@@ -15,8 +15,8 @@ def run(args: Any, config: Any, note: Callable[[str], None] = lambda text: None,
     """Run and print the sections ``args`` asks for; their results by JSON key.
     ``note`` announces each section before its work (the command's stderr progress);
     ``width_spread``, when given, gets the width sweep's per-pass spread (the plot)."""
-    from .callops import format_ops_per_call, ops_per_call
-    from .fresh_shapes import format_fresh_shapes, max_fresh_steps, measure_fresh_shapes
+    from mtpmeta.bench.callops import format_ops_per_call, ops_per_call
+    from mtpmeta.bench.fresh_shapes import format_fresh_shapes, max_fresh_steps, measure_fresh_shapes
 
     out: Dict[str, Any] = {}
     if args.device != "cpu":
@@ -40,7 +40,7 @@ def run(args: Any, config: Any, note: Callable[[str], None] = lambda text: None,
                                                      spread=width_spread)
         print(sweep_width.format_width_sweep(out["width_sweep"]))
     if args.geometry == "production":
-        from .production import format_production, measure_production
+        from mtpmeta.bench.production import format_production, measure_production
 
         note("production geometry (R 1024, N 768, W 2048)")
         out["production"] = measure_production(steps=2 if args.quick else 4,

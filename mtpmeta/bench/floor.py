@@ -19,9 +19,9 @@ from typing import Any, List
 import numpy as np
 import torch
 
-from .. import native
-from ..metadata import MTPMetadata
-from .workload import StepConfig, StepInputs
+from mtpmeta.kernels import native
+from mtpmeta.metadata import MTPMetadata
+from mtpmeta.bench.workload import StepConfig, StepInputs
 
 __all__ = ["FloorInputs", "TorchFloorInputs", "prepare", "floor_step"]
 

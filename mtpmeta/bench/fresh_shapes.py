@@ -36,8 +36,8 @@ def max_fresh_steps(config) -> int:
 def fresh_steps(config, count: int = 20, seed: int = 0) -> List[Tuple[Any, Any]]:
     """``count`` ``(StepConfig, StepInputs)`` pairs, no two with the same active count,
     padded count or prefill size (hence commit size and pad)."""
-    from ..layout import round_up
-    from .workload import make_steps
+    from mtpmeta.buffers.layout import round_up
+    from mtpmeta.bench.workload import make_steps
 
     tp = config.tp
     buckets = (config.max_requests - 1) // tp  # padded counts that fit with the prefill
@@ -62,7 +62,7 @@ def fresh_steps(config, count: int = 20, seed: int = 0) -> List[Tuple[Any, Any]]
 
 
 def _build(path: str, config):
-    from .variants import build
+    from mtpmeta.bench.variants import build
 
     return build(path, config, torch.device("cpu"))
 
@@ -73,7 +73,7 @@ def measure_fresh_shapes(config, *, count: int = 20, repeats: int = 5,
     after its first use on one more shape), ms of that first use (build, allocate, the
     step), and µs per step over ``count`` replays of one shape after a warm-up, medians
     of ``repeats``. Needs ``count + 1 <= max_fresh_steps(config)``."""
-    from .workload import run_step
+    from mtpmeta.bench.workload import run_step
 
     torch.set_num_threads(1)
     drawn = fresh_steps(config, count + 1, seed)

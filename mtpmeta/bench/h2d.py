@@ -1,7 +1,7 @@
 """Counting the bytes the mirror path moves host-to-device, on any device.
 
 Every host-to-device copy of the mirror path reads a host staging tensor that the
-runtime seam (``mtpmeta.runtime``) handed out: its rings are born from
+runtime seam (``mtpmeta.buffers.device_runtime``) handed out: its rings are born from
 ``runtime.host_empty``. ``StagingRecorder`` is a ``TorchRuntime`` that remembers those
 storages; ``H2DCounter`` (a dispatch mode) sums the bytes of every ``copy_`` whose source
 is one of them. So the count is the same on a GPU (pinned -> device) and on the CPU-forced
@@ -15,7 +15,7 @@ from typing import Any, Sequence, Set
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..runtime import TorchRuntime
+from mtpmeta.buffers.device_runtime import TorchRuntime
 
 __all__ = ["StagingRecorder", "H2DCounter"]
 

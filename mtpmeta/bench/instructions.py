@@ -30,7 +30,7 @@ import tempfile
 from dataclasses import asdict
 from typing import Any, Callable, Dict, List, Optional
 
-from .usage import install_hint
+from mtpmeta.bench.usage import install_hint
 
 __all__ = ["unavailable", "callgrind_regions", "count_step_instructions",
            "format_instructions"]
@@ -117,11 +117,11 @@ def step_regions(region: Callable[[str, Callable[[], None]], None], config_field
     import torch
 
     from . import floor
-    from .variants import Variant, build
-    from ..gpu_view import ContextGPUView
-    from ..metadata import MTPMetadata
-    from .percall import _cases
-    from .workload import StepConfig, make_steps, run_step
+    from mtpmeta.bench.variants import Variant, build
+    from mtpmeta.gpu_view import ContextGPUView
+    from mtpmeta.metadata import MTPMetadata
+    from mtpmeta.bench.percall import _cases
+    from mtpmeta.bench.workload import StepConfig, make_steps, run_step
 
     torch.set_num_threads(1)
     config = StepConfig(**config_fields)

@@ -25,16 +25,17 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from . import floor
-from .variants import Variant, build, implementations, inputs_of, variants
-from .opcount import OpCounter
-from .workload import StepConfig, StepInputs, make_steps, run_step, run_step_groups
+from mtpmeta.bench.variants import Variant, build, implementations, inputs_of, variants
+from mtpmeta.bench.opcount import OpCounter
+from mtpmeta.bench.workload import StepConfig, StepInputs, make_steps, run_step, run_step_groups
 
 __all__ = ["measure", "sweep", "cold_start", "load_now", "machine_load"]
 
 _COLD_START = """
 import time, sys
 t0 = time.perf_counter()
-from mtpmeta import MTPMetadata, ContextGPUView
+from mtpmeta.gpu_view import ContextGPUView
+from mtpmeta.metadata import MTPMetadata
 from mtpmeta.bench.workload import StepConfig, make_steps, run_step
 config = StepConfig(**{config})
 inputs = make_steps(config, 1)[0]

@@ -20,9 +20,9 @@ from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 
-from ..gpu_view import ContextGPUView
-from ..metadata import MTPMetadata
-from .workload import StepConfig, StepInputs, make_steps
+from mtpmeta.gpu_view import ContextGPUView
+from mtpmeta.metadata import MTPMetadata
+from mtpmeta.bench.workload import StepConfig, StepInputs, make_steps
 
 __all__ = ["input_cost", "format_input_cost"]
 

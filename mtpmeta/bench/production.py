@@ -30,7 +30,7 @@ __all__ = ["PRODUCTION", "production_steps", "upstream_h2d_bytes", "measure_prod
 
 
 def _production_config():
-    from .workload import StepConfig
+    from mtpmeta.bench.workload import StepConfig
 
     return StepConfig(max_requests=1024, block_columns=2048, block_size=64, active=768,
                       depths=3, prefill_tokens=256, inherited_blocks=8, tp=8)
@@ -42,7 +42,7 @@ PRODUCTION = _production_config()
 def production_steps(config=PRODUCTION, steps: int = 4, seed: int = 0) -> List[Any]:
     """``make_steps`` with start positions from a log-normal spread of context lengths
     (median 3000 tokens, sigma 1) instead of uniform over the table's capacity."""
-    from .workload import make_steps
+    from mtpmeta.bench.workload import make_steps
 
     rng = np.random.default_rng(seed + 1)
     limit = config.block_columns * config.block_size - config.depths - 4
@@ -76,11 +76,11 @@ def upstream_h2d_bytes(config, steps: List[Any]) -> float:
 
 
 def _build(name: str, config, device: str):
-    from ..gpu_view import ContextGPUView
-    from ..metadata import MTPMetadata
-    from ..runtime import use_runtime
-    from .h2d import StagingRecorder
-    from .variants import build
+    from mtpmeta.gpu_view import ContextGPUView
+    from mtpmeta.metadata import MTPMetadata
+    from mtpmeta.buffers.device_runtime import use_runtime
+    from mtpmeta.bench.h2d import StagingRecorder
+    from mtpmeta.bench.variants import build
 
     if name == "reference":
         return build("reference", config, torch.device("cpu")) + (None,)
@@ -97,9 +97,9 @@ def measure_production(config=PRODUCTION, *, steps: int = 4, repeats: int = 7,
                        seed: int = 0) -> Dict[str, Any]:
     """µs per step (median of ``repeats`` interleaved passes), H2D bytes and data ops per
     step, for each row (see the module docstring)."""
-    from .h2d import H2DCounter
-    from .opcount import OpCounter
-    from .workload import run_step, run_step_commit_first
+    from mtpmeta.bench.h2d import H2DCounter
+    from mtpmeta.bench.opcount import OpCounter
+    from mtpmeta.bench.workload import run_step, run_step_commit_first
 
     torch.set_num_threads(1)
     inputs = production_steps(config, steps, seed)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import textwrap
 from typing import Any, Dict, List, Optional, Sequence
 
-from .variants import DRAFT_MODES, Variant
-from .workload import StepConfig
+from mtpmeta.bench.variants import DRAFT_MODES, Variant
+from mtpmeta.bench.workload import StepConfig
 
 __all__ = ["TARGETS", "LEGEND", "TARGETS_NOTE", "table", "target_lines", "spread_line",
            "load_lines", "target_summary", "verdict_line"]

@@ -35,7 +35,7 @@ WARM_DEPTHS = 9  # more than the forward ring's default 8 slots, each with its o
 
 def width_config(width: int, active: int = 256):
     """The standard step at ``active`` requests (R = active + 64) and width ``width``."""
-    from .workload import StepConfig
+    from mtpmeta.bench.workload import StepConfig
 
     return StepConfig(max_requests=active + 64, block_columns=width, active=active)
 
@@ -45,8 +45,8 @@ def _depth_runs(widths: Sequence[int], active: int, depths: int):
     loop, ``depth()`` runs one depth (setup + advance)."""
     from dataclasses import replace
 
-    from .variants import build
-    from .workload import make_steps, run_step
+    from mtpmeta.bench.variants import build
+    from mtpmeta.bench.workload import make_steps, run_step
 
     runs: Dict[Any, Any] = {}
     for width in widths:
@@ -93,10 +93,10 @@ def depth_regions(region: Callable[[str, Callable[[], None]], None], widths: Lis
 
 
 def _h2d_per_depth(width: int, active: int) -> int:
-    from ..runtime import use_runtime
-    from .h2d import H2DCounter, StagingRecorder
-    from .variants import build
-    from .workload import make_steps, run_step
+    from mtpmeta.buffers.device_runtime import use_runtime
+    from mtpmeta.bench.h2d import H2DCounter, StagingRecorder
+    from mtpmeta.bench.variants import build
+    from mtpmeta.bench.workload import make_steps, run_step
 
     config = width_config(width, active)
     recorder = StagingRecorder()
@@ -120,7 +120,7 @@ def width_sweep(widths: Optional[Sequence[int]] = None, active: Optional[int] = 
     cost}}, "h2d_bytes_per_depth": {W: bytes}, "mirror_growth"}`` (widths default to
     ``WIDTHS``, ``active`` to ``ACTIVE``, read at the call). A ``spread`` dict given gets
     each cell's lowest and highest timed pass (one count twice under callgrind)."""
-    from .instructions import callgrind_regions, unavailable
+    from mtpmeta.bench.instructions import callgrind_regions, unavailable
 
     widths = WIDTHS if widths is None else widths
     active = ACTIVE if active is None else active

@@ -35,8 +35,8 @@ from typing import Deque, List, Optional, Tuple
 import numpy as np
 import torch
 
-from ..layout import round_up
-from .workload import StepConfig
+from mtpmeta.buffers.layout import round_up
+from mtpmeta.bench.workload import StepConfig
 
 __all__ = ["TraceConfig", "TraceStep", "STANDARD_TRACE", "PRODUCTION_TRACE",
            "PRODUCTION_WIDE_TRACE", "make_trace", "trace_shape_stats"]

@@ -28,11 +28,11 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import torch
 
-from ..runtime import use_runtime
-from .meta_device import cpp_meta_kernels, meta_setup_report, micro_us
-from .trace import PRODUCTION_TRACE, PRODUCTION_WIDE_TRACE, STANDARD_TRACE, TraceConfig, \
+from mtpmeta.buffers.device_runtime import use_runtime
+from mtpmeta.bench.meta_device import cpp_meta_kernels, meta_setup_report, micro_us
+from mtpmeta.bench.trace import PRODUCTION_TRACE, PRODUCTION_WIDE_TRACE, STANDARD_TRACE, TraceConfig, \
     TraceStep, make_trace, trace_shape_stats
-from .trace_replay import CountingRuntime, DeviceOpCounter, Replay, device_inputs, \
+from mtpmeta.bench.trace_replay import CountingRuntime, DeviceOpCounter, Replay, device_inputs, \
     known_syncs
 
 __all__ = ["LAUNCH_US", "ROWS", "THREADED_ROWS", "measure_trace", "format_trace",
@@ -40,7 +40,7 @@ __all__ = ["LAUNCH_US", "ROWS", "THREADED_ROWS", "measure_trace", "format_trace"
 
 LAUNCH_US = 4.0  # the CUDA driver's launch cost per device data op, for the estimate
 #: (label, path, device, device inputs, block counts, table threads). ``THREADED_ROWS``
-#: time the opt-in table threads (``mtpmeta.table_threads``) on the production trace
+#: time the opt-in table threads (``mtpmeta.kernels.table_threads``) on the production trace
 #: only (the standard trace's table passes are small and take no derived scan).
 ROWS = (("reference", "reference", "meta", False, False, 1),
         ("mirror", "mirror", "meta", False, False, 1),
@@ -203,7 +203,7 @@ def run_trace(args: Any) -> int:
     import json
     import sys
 
-    from .trace_replay import check_trace
+    from mtpmeta.bench.trace_replay import check_trace
 
     out: Dict[str, Any] = {}
     for name, (config, steps) in trace_geometries(args.quick).items():

@@ -23,12 +23,12 @@ import numba
 import torch
 from torch.utils._pytree import tree_flatten
 
-from .. import table_threads
-from ..reference import ReferenceMTPMetadata
-from ..runtime import TorchRuntime
-from .opcount import OpCounter
-from .trace import TraceConfig, TraceStep
-from .variants import build, state_of
+from mtpmeta.kernels import table_threads
+from mtpmeta.reference import ReferenceMTPMetadata
+from mtpmeta.buffers.device_runtime import TorchRuntime
+from mtpmeta.bench.opcount import OpCounter
+from mtpmeta.bench.trace import TraceConfig, TraceStep
+from mtpmeta.bench.variants import build, state_of
 
 __all__ = ["HostKnownReference", "DropIn", "Replay", "known_syncs", "DeviceOpCounter",
            "CountingRuntime", "check_trace", "device_inputs"]
@@ -59,7 +59,7 @@ class DropIn(HostKnownReference):
     place of its own; on a device their inputs are device tensors (the device route)."""
 
     def __init__(self, max_tokens: int, **kwargs: Any) -> None:
-        from ..metadata import MTPMetadata
+        from mtpmeta.metadata import MTPMetadata
 
         super().__init__(**kwargs)
         self.library = MTPMetadata(**kwargs)
@@ -293,8 +293,8 @@ class _MarkedInputs(TorchRuntime):
 def _device_input_replay(config: TraceConfig, trace: List[TraceStep]) -> Replay:
     """The mirror path on the CPU with the draft loop's start positions and table
     taken as device tensors (the device-input route, its depths planned at the begin:
-    ``mtpmeta.device_loop``); the commit pass keeps host inputs."""
-    from ..runtime import use_runtime
+    ``mtpmeta.mirror.device_draft_plan``); the commit pass keeps host inputs."""
+    from mtpmeta.buffers.device_runtime import use_runtime
 
     marked: set = set()
     with use_runtime(_MarkedInputs(marked)):
@@ -315,7 +315,7 @@ def check_trace(config: TraceConfig, trace: List[TraceStep],
     inputs``, with ``device_inputs``), the ``counts`` paths with block counts against
     the reference on the table with the dummy block past the counts, and the
     ``threaded`` paths (with block counts too where ``counts`` has them) on two table
-    threads (``mtpmeta.table_threads``, where numba has two). Describe the first step
+    threads (``mtpmeta.kernels.table_threads``, where numba has two). Describe the first step
     where one's view or persistent buffers differ from its reference's, or None."""
     cpu = torch.device("cpu")
     threads = min(2, numba.config.NUMBA_NUM_THREADS)

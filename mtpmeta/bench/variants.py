@@ -16,10 +16,10 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from . import floor
-from ..gpu_view import VIEW_FIELDS, ContextGPUView
-from ..metadata import MTPMetadata
-from ..reference import ReferenceGPUView, ReferenceMTPMetadata
-from .workload import StepConfig, StepInputs, run_step
+from mtpmeta.gpu_view import VIEW_FIELDS, ContextGPUView
+from mtpmeta.metadata import MTPMetadata
+from mtpmeta.reference import ReferenceGPUView, ReferenceMTPMetadata
+from mtpmeta.bench.workload import StepConfig, StepInputs, run_step
 
 __all__ = ["IMPLEMENTATIONS", "INPUT_KINDS", "DRAFT_MODES", "Variant", "implementations",
            "variants", "build", "state_of", "inputs_of", "check_identical",

@@ -32,7 +32,7 @@ from typing import Any, Dict, List
 import numpy as np
 import torch
 
-from ..layout import round_up
+from mtpmeta.buffers.layout import round_up
 
 __all__ = ["StepConfig", "StepInputs", "make_steps", "run_step", "run_step_commit_first",
            "run_step_groups"]

@@ -16,11 +16,11 @@ against a dense recomputation. Read it in this order:
 * ``runner``, ``cli``   ``run_path`` and the command line.
 """
 
-from .checks import Checker, DenseOracle, Expectation
-from .config import SimConfig
-from .engine import Engine
-from .mismatch import Mismatch
-from .runner import FEATURES, PATHS, run_path
+from mtpmeta.simulate.checks import Checker, DenseOracle, Expectation
+from mtpmeta.simulate.config import SimConfig
+from mtpmeta.simulate.engine import Engine
+from mtpmeta.simulate.mismatch import Mismatch
+from mtpmeta.simulate.runner import FEATURES, PATHS, run_path
 
 __all__ = ["SimConfig", "Engine", "Mismatch", "Checker", "DenseOracle", "Expectation",
            "run_path", "FEATURES", "PATHS", "main"]
@@ -28,6 +28,6 @@ __all__ = ["SimConfig", "Engine", "Mismatch", "Checker", "DenseOracle", "Expecta
 
 def main(argv=None) -> int:
     """``mtpmeta simulate [...]``; see ``mtpmeta.simulate.cli``."""
-    from .cli import main as cli_main
+    from mtpmeta.simulate.cli import main as cli_main
 
     return cli_main(argv)

@@ -19,8 +19,8 @@ from typing import Any, Dict, Tuple
 
 import torch
 
-from ..metadata import MTPMetadata
-from ..types import ForwardShape
+from mtpmeta.metadata import MTPMetadata
+from mtpmeta.types import ForwardShape
 
 __all__ = ["CapturedSetups"]
 

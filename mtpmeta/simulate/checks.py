@@ -34,11 +34,11 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .config import SimConfig
-from .mismatch import Mismatch
-from .model import TinyModel
-from .paged import PagedKVCache
-from .rows import Request
+from mtpmeta.simulate.config import SimConfig
+from mtpmeta.simulate.mismatch import Mismatch
+from mtpmeta.simulate.model import TinyModel
+from mtpmeta.simulate.paged import PagedKVCache
+from mtpmeta.simulate.rows import Request
 
 __all__ = ["Expectation", "Checker", "DenseOracle"]
 

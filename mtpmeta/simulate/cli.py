@@ -7,10 +7,10 @@ import json
 import sys
 from typing import Any, Dict, List, Optional
 
-from ..bench.usage import ToolParser, device_problem, output_problem, parse, \
+from mtpmeta.bench.usage import ToolParser, device_problem, output_problem, parse, \
     positive_int, usage_error
-from .config import SimConfig
-from .runner import PATHS, run_path
+from mtpmeta.simulate.config import SimConfig
+from mtpmeta.simulate.runner import PATHS, run_path
 
 __all__ = ["main"]
 

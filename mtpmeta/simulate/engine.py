@@ -39,17 +39,17 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..gpu_view import ContextGPUView
-from ..layout import round_up
-from ..metadata import MTPMetadata
-from .captured import CapturedSetups
-from .checks import Checker, Expectation
-from .config import SimConfig
-from .mismatch import Mismatch
-from .model import TinyModel
-from .paged import PagedKVCache
-from .rows import Request, RowTable
-from .scheduler import Scheduler
+from mtpmeta.gpu_view import ContextGPUView
+from mtpmeta.buffers.layout import round_up
+from mtpmeta.metadata import MTPMetadata
+from mtpmeta.simulate.captured import CapturedSetups
+from mtpmeta.simulate.checks import Checker, Expectation
+from mtpmeta.simulate.config import SimConfig
+from mtpmeta.simulate.mismatch import Mismatch
+from mtpmeta.simulate.model import TinyModel
+from mtpmeta.simulate.paged import PagedKVCache
+from mtpmeta.simulate.rows import Request, RowTable
+from mtpmeta.simulate.scheduler import Scheduler
 
 __all__ = ["Engine"]
 

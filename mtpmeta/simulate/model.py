@@ -25,7 +25,7 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-from .config import SimConfig
+from mtpmeta.simulate.config import SimConfig
 
 __all__ = ["TinyModel", "causal_attention"]
 

@@ -33,9 +33,9 @@ import math
 import torch
 from torch import Tensor
 
-from .config import SimConfig
-from .mismatch import Mismatch
-from .model import causal_attention
+from mtpmeta.simulate.config import SimConfig
+from mtpmeta.simulate.mismatch import Mismatch
+from mtpmeta.simulate.model import causal_attention
 
 __all__ = ["PagedKVCache"]
 

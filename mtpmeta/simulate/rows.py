@@ -16,7 +16,7 @@ from typing import Any, List, Optional, Sequence
 import numpy as np
 import torch
 
-from .mismatch import Mismatch
+from mtpmeta.simulate.mismatch import Mismatch
 
 __all__ = ["Request", "RowTable"]
 

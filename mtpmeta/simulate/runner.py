@@ -7,9 +7,9 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from .config import SimConfig
-from .engine import Engine
-from .mismatch import Mismatch
+from mtpmeta.simulate.config import SimConfig
+from mtpmeta.simulate.engine import Engine
+from mtpmeta.simulate.mismatch import Mismatch
 
 __all__ = ["FEATURES", "run_path", "PATHS"]
 

@@ -19,9 +19,9 @@ from typing import Any, Deque, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from .blocks import BlockPool, PrefixCache
-from .config import SimConfig
-from .rows import Request, RowTable
+from mtpmeta.simulate.blocks import BlockPool, PrefixCache
+from mtpmeta.simulate.config import SimConfig
+from mtpmeta.simulate.rows import Request, RowTable
 
 __all__ = ["Scheduler"]
 

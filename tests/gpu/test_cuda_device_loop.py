@@ -1,4 +1,4 @@
-"""The device-input draft loop (``mtpmeta.device_loop``) on CUDA. Skipped without CUDA.
+"""The device-input draft loop (``mtpmeta.mirror.device_draft_plan``) on CUDA. Skipped without CUDA.
 
 The CPU tests count dispatches; here the profiler counts launches, the caching
 allocator counts allocations and sync debug mode catches a sync. Failure stories: a

@@ -24,7 +24,7 @@ from mtpmeta import ContextGPUView, MTPMetadata  # noqa: E402
 from mtpmeta.bench.measure import cuda_syncs  # noqa: E402
 from mtpmeta.bench.workload import make_steps, run_commit, run_step  # noqa: E402
 from mtpmeta.reference import ReferenceGPUView, ReferenceMTPMetadata  # noqa: E402
-from mtpmeta.runtime import TorchRuntime, use_runtime  # noqa: E402
+from mtpmeta.buffers.device_runtime import TorchRuntime, use_runtime  # noqa: E402
 
 from tests.gpu.test_cuda_mirror import (CONFIG, _expected_buffers,  # noqa: E402
                                         _token_inputs)

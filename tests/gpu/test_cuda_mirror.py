@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 from mtpmeta import VIEW_FIELDS, ContextGPUView, GraphCaptureError, MTPMetadata  # noqa: E402
 from mtpmeta.reference import ReferenceGPUView, ReferenceMTPMetadata  # noqa: E402
-from mtpmeta.runtime import TorchRuntime, use_runtime  # noqa: E402
+from mtpmeta.buffers.device_runtime import TorchRuntime, use_runtime  # noqa: E402
 from mtpmeta.bench.workload import StepConfig, make_steps, run_commit, run_step  # noqa: E402
 
 CONFIG = StepConfig(max_requests=64, block_columns=32, block_size=16, active=48,

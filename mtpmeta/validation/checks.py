@@ -1,0 +1,422 @@
+"""The validation layer of ``MTPMetadata``: one ``check_*`` function per entry point.
+Their shared half (the kernels' status codes and decoders, the block-id range checks,
+the destination-view bounds) is ``mtpmeta.validation.bounds``.
+
+A ``check_*`` takes the object's ``Geometry`` (and the resolved destination view where
+the method writes one) with the caller's raw inputs. It raises ``ValueError``,
+``IndexError`` or ``InvalidDtypeError`` naming the argument and the bound before anything
+is written, and returns the inputs the backend takes: C-contiguous int32/int64 numpy
+arrays and plain ints, or the caller's device tensors on the mirror path's device-op
+route (shapes and dtypes checked; values are not read, that would sync). Tuples, not
+named records: a record costs about 0.5 µs per call, a tenth of a ``write_token_maps``.
+
+Kernels that write scan first and refuse without writing; the ``raise_*`` functions
+(here and in ``check_bounds``) turn a refusal (a ``TokenStatus``/``CarryStatus`` code
+or the refused index) into the error the caller sees. Raw-input conversion is
+``mtpmeta.validation.inputs``. Explicit raises, never ``assert``: they hold under ``python -O``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from mtpmeta.kernels import native
+from mtpmeta.validation.bounds import (CarryStatus, TokenStatus, _check_block_column,
+                           _check_view_capacity, _check_view_width,
+                           _INT32_DTYPE as _INT32, _INT32_MAX, _INT32_MIN,
+                           _raise_commit_status, _raise_inherited_range,
+                           _raise_written_block, _scan_rows_fit, _shortest_token_field,
+                           check_padded, check_rows_fit)
+from mtpmeta.kernels.counted import first_row_past_packed
+from mtpmeta.validation.block_counts import (as_block_counts, check_commit_counts,
+                                             raise_past_count, refuse_device_table)
+from mtpmeta.errors import ChunkCarryError, InvalidDtypeError
+from mtpmeta.gpu_view import ViewTarget
+from mtpmeta.buffers.layout import dtype_range, is_int_dtype
+from mtpmeta.validation.geometry import CommitInputs, DecodeInputs, Geometry
+from mtpmeta.validation.inputs import (INT32_LIMIT, INT64_MAX, as_count, as_host_counts,
+                                       as_host_ints, as_host_request_ints, as_carry_source,
+                                       as_optional_per_request, as_row_indices,
+                                       check_device_tensors, is_device_tensor,
+                                       raise_row_out_of_range)
+
+__all__ = ["Geometry", "TokenStatus", "CarryStatus", "check_config", "check_allocate",
+           "check_row_pair", "raise_refused_row_pair", "check_carry", "check_take",
+           "check_view_device", "check_decode_counts", "check_begin_decode",
+           "check_decode_view", "raise_position_error", "check_prefill_lengths",
+           "check_commit_inputs",
+           "check_draft_blocks", "raise_draft_block", "raise_commit_block",
+           "check_rows_fit"]
+
+_first_bad_draft_block = native.checks.first_bad_draft_block
+_INHERITED_OUT_OF_RANGE = native.checks.INHERITED_OUT_OF_RANGE
+_check_take = native.carry.check_take
+_INT64_MIN = -INT64_MAX - 1
+
+# ---------------------------------------------------------------- construction
+def check_config(max_requests: Any, max_kv_block_count: Any, block_size_tokens: Any,
+                 dummy_block_idx: Any, block_table_dtype: Any, hidden_size: Any,
+                 hidden_dtype: Any) -> None:
+    """The constructor's arguments of an enabled ``MTPMetadata``."""
+    for name, value in (("max_requests", max_requests),
+                        ("max_kv_block_count", max_kv_block_count),
+                        ("block_size_tokens", block_size_tokens),
+                        ("hidden_size", hidden_size)):
+        as_count(value, name, low=1)
+    dummy = as_count(dummy_block_idx, "dummy_block_idx", low=-INT64_MAX - 1)
+    if dummy < 0:
+        raise ValueError(f"dummy_block_idx: {dummy} < 0; pad tokens write the dummy "
+                         "block, so it must be a real scratch block index (>= 0)")
+    if not isinstance(block_table_dtype, torch.dtype) or \
+            not is_int_dtype(block_table_dtype):
+        raise InvalidDtypeError(f"block_table_dtype: expected an integer torch "
+                                f"dtype, got {block_table_dtype!r}")
+    high = dtype_range(block_table_dtype)[1]
+    if dummy > high:
+        raise ValueError(f"dummy_block_idx: {dummy} does not fit block_table_dtype "
+                         f"{block_table_dtype} (max {high})")
+    if not isinstance(hidden_dtype, torch.dtype) or not hidden_dtype.is_floating_point:
+        raise InvalidDtypeError(f"hidden_dtype: expected a floating torch dtype, "
+                                f"got {hidden_dtype!r}")
+
+
+def check_allocate(device: Any, mirror: Optional[bool], max_tokens: Any,
+                   staging_slots: Any) -> Tuple[torch.device, bool]:
+    """``allocate``'s arguments; returns ``(device, mirror)`` with mirror decided."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as error:
+        raise ValueError(f"allocate: device {device!r} is not a torch device "
+                         f"({error})") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"allocate: device {device} requested, but CUDA is not "
+                         "available on this machine (a CPU-only torch build or no GPU); "
+                         "use allocate('cpu')")
+    if mirror is None:
+        mirror = device.type != "cpu"
+    elif not mirror and device.type != "cpu":
+        raise ValueError(f"allocate: mirror=False needs a CPU device, got {device}")
+    as_count(max_tokens, "max_tokens", low=1, high=INT32_LIMIT - 1,
+             high_name="int32 token index limit")
+    as_count(staging_slots, "staging_slots", low=2, high=64, high_name="slot limit")
+    return device, mirror
+
+
+# ---------------------------------------------------------------- row lifecycle
+def check_row_pair(geo: Geometry, method: str, src_idxs: Any,
+                   dst_idxs: Any) -> Tuple[np.ndarray, np.ndarray]:
+    """``(src, dst)`` index arrays of equal length for a move or swap. Their range is
+    checked by the row kernel (``raise_refused_row_pair`` decodes its refusal)."""
+    num_rows = geo.max_requests
+    src = as_row_indices(src_idxs, num_rows, "src_idxs")
+    dst = as_row_indices(dst_idxs, num_rows, "dst_idxs")
+    if type(src) is slice:
+        src = np.arange(num_rows)[src]
+    if type(dst) is slice:
+        dst = np.arange(num_rows)[dst]
+    if len(src) != len(dst):
+        raise ValueError(f"{method}: src_idxs has {len(src)} rows but dst_idxs "
+                         f"has {len(dst)}; they must have the same length")
+    return src, dst
+
+
+def raise_refused_row_pair(geo: Geometry, src: np.ndarray, dst: np.ndarray,
+                           bad: int) -> None:
+    """``bad`` from a pair kernel: the index it refused (nothing written), -1 for none;
+    ``[0, len(src))`` counts into ``src``, the rest into ``dst``."""
+    if bad >= 0:
+        count = src.shape[0]
+        if bad < count:
+            raise_row_out_of_range(src, bad, geo.max_requests, "src_idxs")
+        raise_row_out_of_range(dst, bad - count, geo.max_requests, "dst_idxs")
+
+
+# ----------------------------------------------------------------- chunk carry
+def check_carry(geo: Geometry, hidden: Any, req_id: Any,
+                position: Any) -> Tuple[Tensor, int, int]:
+    """``(source, req_id, position)``: ``source`` is ``hidden`` shaped to broadcast
+    into the ``[1, 1, H]`` carry (detached), the keys are checked ints."""
+    if type(req_id) is int and type(position) is int and 0 <= req_id <= INT64_MAX and \
+            0 <= position <= INT64_MAX:  # the hot path: plain ints in range
+        return as_carry_source(hidden, geo.hidden_size, geo.hidden_dtype), req_id, position
+    req_id = as_count(req_id, "req_id", high=INT64_MAX, high_name="int64 max")
+    position = as_count(position, "position", high=INT64_MAX, high_name="int64 max")
+    return as_carry_source(hidden, geo.hidden_size, geo.hidden_dtype), req_id, position
+
+
+def check_take(carry_state: np.ndarray, req_id: Any, seam_position: Any) -> None:
+    """Whether the live carry (``[valid, req_id, position]``) is ``req_id``'s at
+    ``seam_position``; raises ``ChunkCarryError`` naming what differs."""
+    if not (type(req_id) is int and type(seam_position) is int and
+            _INT64_MIN <= req_id <= INT64_MAX and
+            _INT64_MIN <= seam_position <= INT64_MAX):  # else: the checked conversion
+        req_id = as_count(req_id, "req_id", low=_INT64_MIN, high=INT64_MAX,
+                          high_name="int64 max")
+        seam_position = as_count(seam_position, "seam_position", low=_INT64_MIN,
+                                 high=INT64_MAX, high_name="int64 max")
+    code = _check_take(carry_state, req_id, seam_position)
+    if not code:
+        return
+    if code == CarryStatus.NOT_VALID:
+        raise ChunkCarryError(
+            f"take_chunk_boundary: no live chunk-boundary carry (chunk_boundary_valid "
+            f"is False), but request {req_id} asked for one at position {seam_position}")
+    if code == CarryStatus.OTHER_REQUEST:
+        raise ChunkCarryError(
+            f"take_chunk_boundary: the carry belongs to request "
+            f"{int(carry_state[1])}, not request {req_id}")
+    if code == CarryStatus.OTHER_POSITION:
+        raise ChunkCarryError(
+            f"take_chunk_boundary: the carry for request {req_id} sits at position "
+            f"{int(carry_state[2])}, but the seam is at {seam_position}")
+
+
+def check_view_device(geo: Geometry, target: ViewTarget) -> None:  # every writer
+    """A destination view, resolved once, lies on the buffers' device, and its block
+    fields hold ``dummy_block_idx`` (pad rows write it; a wrapped D is a real block)."""
+    if target.device != geo.device:
+        raise ValueError(f"gpu_view: fields on {target.device}, but buffers were "
+                         f"allocated on {geo.device}")
+    for name, (low, high) in (("token_to_block_idx", target.token_block_range),
+                              ("mha_block_table", target.table_block_range)):
+        if not low <= geo.dummy_block_idx <= high:
+            raise ValueError(f"dummy_block_idx: {geo.dummy_block_idx} does not fit "
+                             f"gpu_view.{name} dtype "
+                             f"{getattr(target.fields, name).dtype} (max {high})")
+
+
+# ------------------------------------------------------------------ draft loop
+def check_decode_counts(geo: Geometry, active_request_count: Any,
+                        padded_count: Any) -> Tuple[int, int]:
+    """``(n, p)`` with ``0 <= n <= p <= max_requests``."""
+    if type(active_request_count) is int and type(padded_count) is int and \
+            0 <= active_request_count <= padded_count <= geo.max_requests:
+        return active_request_count, padded_count  # the hot path: plain ints in range
+    count = as_count(active_request_count, "active_request_count",
+                     high=geo.max_requests, high_name="max_requests")
+    padded = check_padded(padded_count, "padded_count", count,
+                          "active_request_count {count}", high=geo.max_requests,
+                          high_name="max_requests")
+    return count, padded
+
+
+def check_begin_decode(geo: Geometry, active_request_count: Any, padded_count: Any,
+                       start_positions: Any, block_table_src: Any,
+                       block_counts: Any = None) -> DecodeInputs:
+    """``begin_decode``'s inputs. Host start positions are range-checked by the copy
+    kernel (``raise_position_error`` decodes its refusal). The counts are checked as
+    in ``check_decode_counts``; ``block_counts`` (opt-in, host ints ``[>= n]`` in
+    ``[0, W]``, ``mtpmeta.validation.block_counts``) comes back as the sixth item (None without)."""
+    count, padded = active_request_count, padded_count
+    if not (type(count) is int and type(padded) is int and
+            0 <= count <= padded <= geo.max_requests):  # else check_decode_counts' hot path
+        count, padded = check_decode_counts(geo, active_request_count, padded_count)
+    if geo.mirror and (is_device_tensor(start_positions, geo.runtime)
+                       or is_device_tensor(block_table_src, geo.runtime)):
+        if block_counts is not None:
+            refuse_device_table("block_table_src")
+        check_device_tensors(geo.device, (("start_positions", start_positions, 1),
+                                          ("block_table_src", block_table_src, 2)))
+        starts, table, on_device = start_positions, block_table_src, True
+    else:
+        starts = as_host_ints(start_positions, "start_positions")
+        table = as_host_ints(block_table_src, "block_table_src", ndim=2)
+        on_device = False
+    if starts.shape[0] < count:
+        raise ValueError(f"start_positions: {starts.shape[0]} entries < "
+                         f"active_request_count {count}")
+    rows, width = table.shape
+    if rows < count or width != geo.max_kv_block_count:
+        raise ValueError(f"block_table_src: shape {tuple(table.shape)}, expected "
+                         f"[>= {count}, max_kv_block_count {geo.max_kv_block_count}]")
+    used = None if block_counts is None else as_block_counts(
+        geo, block_counts, count, geo.max_kv_block_count)
+    low, high = geo.table_range  # check_rows_fit's free case inlined: every begin
+    if not on_device and not (table.dtype is _INT32 and low <= _INT32_MIN and
+                              high >= _INT32_MAX):
+        check_rows_fit(table, count, geo.table_range, "block_table_src",
+                       "block_table_dtype", geo.block_table_dtype, used)
+    return count, padded, starts, table, on_device, used
+
+
+def check_draft_blocks(geo: Geometry, target: ViewTarget, offsets: np.ndarray,
+                       table: np.ndarray, count: int,
+                       counts: Optional[np.ndarray] = None) -> None:
+    """One draft depth's table rows, on the host copy of the draft state (offsets int32
+    [R], table [R, W] of block_table_dtype, or a counted or derived begin's packed
+    ``[n, C]`` rows; ``counts`` as in ``raise_draft_block``): when
+    ``block_table_dtype`` holds more than the view's ``mha_block_table``, every entry of
+    the rows ``[:count]`` (copied there whole) fits it. The block each real row writes
+    is checked by the depth's kernel itself (``native.staging.decode_step_maps``;
+    ``raise_draft_block`` names a refusal), and here first only with such a wide table,
+    so that its refusal is the one named. A row whose column lies past packed rows is
+    past its count (a -1 column for derived counts): refused here in row order too."""
+    low, high = geo.table_range
+    row_low, row_high = target.table_block_range
+    if low < row_low or high > row_high:
+        row = _first_bad_draft_block(offsets, table, count, geo.block_size_tokens,
+                                     target.token_block_range[1])
+        if table.shape[1] < geo.max_kv_block_count:  # packed: rows past C count too
+            row = first_row_past_packed(offsets, count, geo.block_size_tokens,
+                                        table.shape[1], row)
+        if row >= 0:
+            raise_draft_block(geo, target, offsets, table, row, counts)
+        _scan_rows_fit(table, count, target.table_block_range, _DRAFT_TABLE,
+                       "gpu_view.mha_block_table dtype", target.fields.mha_block_table.dtype)
+
+
+def raise_draft_block(geo: Geometry, target: ViewTarget, offsets: np.ndarray,
+                      table: np.ndarray, row: int,
+                      counts: Optional[np.ndarray] = None) -> None:
+    """Name the draft row whose written block the depth's kernel refused (``-2 - row``):
+    at or past its opt-in block count (``counts``, None without), negative
+    (unallocated) or past ``token_to_block_idx``. ``table`` may be packed ``[n, C]``
+    rows: past ``C`` a counted begin's row is past its count (raised first) and a
+    derived begin's holds -1, the caller's value there."""
+    raise_past_count(geo, target, offsets, table, counts, row)
+    column = int(offsets[row]) // geo.block_size_tokens
+    block = int(table[row, column]) if column < table.shape[1] else -1
+    _raise_written_block(_DRAFT_TABLE, block, row, column,
+                         f"draft row {row} (offset {int(offsets[row])})", target)
+
+
+_DRAFT_TABLE = "block_table (the draft loop's, from begin_decode)"
+
+
+def check_decode_view(geo: Geometry, target: ViewTarget, padded: int) -> None:
+    """A draft depth's view holds ``padded`` tokens and requests at width ``W``.
+    ``setup_decode_step`` calls it only when its inline comparison fails."""
+    _check_view_capacity(target, tokens=padded, requests=padded)
+    _check_view_width(target, geo.max_kv_block_count, "max_kv_block_count")
+
+
+def raise_position_error(geo: Geometry, name: str, positions: np.ndarray,
+                         count: int) -> None:
+    """Name the bad position in ``positions[:count]`` that a kernel refused."""
+    low, high = native.checks.min_max(positions, count)
+    if low < 0:
+        raise ValueError(f"{name}: negative position {low}")
+    _check_block_column(geo, name, high)
+    raise ValueError(f"{name}: a position lies outside the block table")
+
+
+# ----------------------------------------------------------------- commit pass
+def check_prefill_lengths(geo: Geometry, append_counts: Any,
+                          pad_tokens: Any) -> Tuple[Any, int, bool]:
+    """``(counts, pad_tokens, on_device)`` for ``stage_prefill_lengths``."""
+    pad = as_count(pad_tokens, "pad_tokens", high=INT32_LIMIT - 1,
+                   high_name="int32 length limit")
+    if geo.mirror and is_device_tensor(append_counts, geo.runtime):
+        check_device_tensors(geo.device, (("append_counts", append_counts, 1),))
+        if append_counts.shape[0] > geo.max_requests:
+            raise ValueError(f"append_counts: shape {tuple(append_counts.shape)}, "
+                             f"expected [P <= max_requests {geo.max_requests}]")
+        return append_counts, pad, True
+    return as_host_counts(geo.max_requests, append_counts, "append_counts"), pad, False
+
+
+def check_commit_inputs(geo: Geometry, target: ViewTarget, append_counts: Any,
+                        block_table: Any, start_positions: Any, inherited_blocks: Any,
+                        padded_token_count: Any, padded_request_count: Any,
+                        block_counts: Any = None) -> CommitInputs:
+    """``setup_commit_pass``'s inputs, values included (a device tensor is read back
+    through the runtime: the documented sync). ``block_counts`` (opt-in, host ints
+    ``[>= P]`` in ``[0, table width]``) needs a host ``block_table``; a token at or past
+    its request's count is refused."""
+    if block_counts is not None and geo.mirror and is_device_tensor(block_table,
+                                                                    geo.runtime):
+        refuse_device_table("block_table")
+    if geo.mirror:  # (a meta tensor is left to as_host_ints, which names it)
+        append_counts, block_table, start_positions, inherited_blocks = (
+            geo.runtime.to_host(x) if is_device_tensor(x, geo.runtime)
+            and x.device.type != "meta" else x
+            for x in (append_counts, block_table, start_positions, inherited_blocks))
+    # The counts' values are scanned by native.checks.check_commit_inputs below.
+    counts = as_host_ints(append_counts, "append_counts")
+    num_prefill = counts.shape[0]
+    if num_prefill > geo.max_requests:  # as_host_request_ints names the bound
+        as_host_request_ints(geo.max_requests, counts, "append_counts")
+    table = as_host_ints(block_table, "block_table", ndim=2)
+    table_rows, width = table.shape
+    if table_rows < num_prefill:
+        raise ValueError(f"block_table: {table_rows} rows < {num_prefill} requests "
+                         "(append_counts)")
+    if width != target.width:
+        _check_view_width(target, width, "block_table width")
+    starts = None if start_positions is None else as_host_ints(start_positions,
+                                                               "start_positions")
+    inherited = None if inherited_blocks is None else as_host_ints(inherited_blocks,
+                                                                   "inherited_blocks")
+    # Too few entries: as_optional_per_request raises, naming the argument.
+    if starts is not None and starts.shape[0] < num_prefill:
+        as_optional_per_request(starts, "start_positions", num_prefill)
+    if inherited is not None and inherited.shape[0] < num_prefill:
+        as_optional_per_request(inherited, "inherited_blocks", num_prefill)
+    columns = geo.max_kv_block_count
+    if width < columns:
+        columns = width
+    code, culprit, total, _ = native.checks.check_commit_inputs(
+        counts, counts if starts is None else starts, starts is not None, columns,
+        geo.block_size_tokens)
+    if code:
+        _raise_commit_status(geo, code, culprit, counts, starts, columns)
+    used = None
+    if block_counts is not None:
+        used = as_block_counts(geo, block_counts, num_prefill, table.shape[1])
+        check_commit_counts(geo, counts, starts, used)
+    low, high = target.table_block_range  # the same, inlined: every commit
+    if not (table.dtype is _INT32 and low <= _INT32_MIN and high >= _INT32_MAX):
+        check_rows_fit(table, num_prefill, target.table_block_range, "block_table",
+                       "gpu_view.mha_block_table dtype", target.fields.mha_block_table.dtype,
+                       used)
+    # The written blocks and inherited counts: scanned by the commit kernel itself,
+    # before its first write (raise_commit_block names a refusal).
+    max_tokens = target.max_tokens
+    if total > max_tokens:
+        raise ValueError(f"append_counts: {total} tokens > max_tokens "
+                         f"{max_tokens} of gpu_view{_shortest_token_field(target)}")
+    # Plain ints in range take the inline test; anything else check_padded's.
+    if padded_token_count is None:
+        padded_tokens = total
+    elif type(padded_token_count) is int and total <= padded_token_count <= max_tokens:
+        padded_tokens = padded_token_count
+    else:
+        padded_tokens = check_padded(
+            padded_token_count, "padded_token_count", total, "total append_counts {count}",
+            high=max_tokens, high_name="gpu_view max_tokens")
+    pad = padded_tokens - total
+    staged = num_prefill + 1 if pad > 0 and num_prefill < geo.max_requests \
+        else num_prefill
+    if padded_request_count is None:
+        min_padded = num_prefill
+    elif type(padded_request_count) is int and padded_request_count >= num_prefill:
+        min_padded = padded_request_count
+    else:
+        min_padded = check_padded(padded_request_count, "padded_request_count",
+                                  num_prefill, "number of requests {count} (append_counts)")
+    padded_requests = min_padded if min_padded > staged else staged
+    if padded_requests > target.max_requests:
+        _check_view_capacity(target, requests=padded_requests)
+    return (counts, starts, table, inherited, total, padded_tokens, pad, min_padded,
+            padded_requests, used)
+
+
+def raise_commit_block(geo: Geometry, target: ViewTarget, code: int, r: int,
+                       column: int, counts: np.ndarray, starts: Optional[np.ndarray],
+                       table: np.ndarray, inherited: Optional[np.ndarray]) -> None:
+    """Name the refusal of ``native.staging.commit_pass`` (``(-code, r, column, 0)``):
+    request ``r``'s inherited count outside ``[0, W]``, or the block at ``[r, column]``
+    it writes negative or past ``token_to_block_idx``."""
+    if code == _INHERITED_OUT_OF_RANGE:
+        _raise_inherited_range(geo, inherited, r)
+    start = 0 if starts is None else int(starts[r])
+    _raise_written_block("block_table", int(table[r, column]), r, column,
+                         f"request {r} (positions {start}..{start + int(counts[r]) - 1})",
+                         target)
+
+
+# --------------------------------------------------------------------- writers
