@@ -1,4 +1,4 @@
-"""The opt-in per-row block counts (issue 24 item 4; contract §5 and §10, "Block
+"""The opt-in per-row block counts (contract §5 and §10, "Block
 counts"): ``begin_decode(..., block_counts=)`` and ``setup_commit_pass(...,
 block_counts=)``.
 

@@ -1,6 +1,6 @@
 """A commit pass takes the leading rows of its block table from the draft loop's
 persistent device table, device-to-device, when they are the rows ``begin_decode``
-staged (mirror path; the host-to-device bytes of issue 17).
+staged (mirror path: those rows cross no host-to-device copy).
 
 The rows are compared on the host against the host copy of what the device holds,
 never assumed: any changed entry, or a ``begin_decode`` from device inputs (whose table
@@ -119,8 +119,8 @@ def test_commit_rows_come_from_the_device_table_exactly_when_they_match(layout, 
     """After a draft loop on table T, a commit pass on P rows: the view is the
     reference's, and its H2D bytes are a never-drafted twin's minus ``k`` table rows:
     of the first ``min(P, n)`` rows (never the row that absorbs a full batch's pad),
-    the ones before the first row with an entry that differs from T's (issue 24 item 3:
-    the longest matching prefix, no longer all or nothing)."""
+    the ones before the first row with an entry that differs from T's (the longest
+    matching prefix, so one changed row does not make every row cross again)."""
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="seed"))
     count = data.draw(st.integers(1, R), label="n")
     num_prefill = data.draw(st.integers(1, R), label="P")
@@ -188,7 +188,7 @@ TABLE_WRITES: Dict[str, Callable[[torch.Tensor], None]] = {
 @pytest.mark.parametrize("inference", [False, True], ids=["grad mode", "inference_mode"])
 @pytest.mark.parametrize("write", sorted(TABLE_WRITES))
 def test_no_write_into_the_draft_table_reaches_a_commit_row(write, inference):
-    """contract §1 and §9 (issue 23, F4): after a draft loop on T, a scheduler writes
+    """contract §1 and §9: after a draft loop on T, a scheduler writes
     ``block_table[0, 0]`` by any route (under ``torch.inference_mode`` there is no
     version counter at all). The commit pass on T still writes T's rows, the
     reference's bytes, and still takes its 5 leading rows from the device: from the
@@ -428,7 +428,7 @@ class PassCounter:
 
 @pytest.mark.parametrize("first_changed", [0, 1, 3, 5])
 def test_a_commit_reuses_exactly_its_matching_leading_rows(monkeypatch, first_changed):
-    """issue 24 item 3: after a draft loop on T (n = 7), a commit on P = 9 rows whose
+    """After a draft loop on T (n = 7), a commit on P = 9 rows whose
     row ``k`` differs from T's (and later rows too) takes exactly rows ``[:k]`` from the
     device, ships the rest, and writes the direct path's and the reference's bytes. Each
     of the P rows is compared or copied; only row k is both (one pass per table)."""

@@ -348,7 +348,7 @@ def test_sim_moves_version_counters_once_at_issue_as_cuda_does(make_sim):
     """An in-place op bumps its tensor's version counter when the host issues it, and
     never again when it executes (from a sync, or inside another op's tick); a factory
     op's queued fill bumps none, and a replay bumps none. A counter-based guard sees
-    under the simulator what it sees on CUDA (issue 23, F8)."""
+    under the simulator what it sees on CUDA."""
     sim = make_sim(0, idle=1.0)  # the device never runs on its own
     with sim:
         x = torch.zeros(4, dtype=torch.int32)

@@ -1,7 +1,7 @@
-"""The mirror path's default calls on wide tables (issue 24 item 5; ``mirror_counts``,
+"""The mirror path's default calls on wide tables (``mtpmeta.mirror.counted``,
 "Derived counts"): a begin or commit pass without block counts whose table has at
 least ``DERIVED_MIN_ENTRIES`` entries and ``DERIVED_MIN_WIDTH`` columns
-(``mirror_counts.derives``) writes each row only up to its trailing run of -1.
+(``mtpmeta.mirror.counted.derives``) writes each row only up to its trailing run of -1.
 
 Both read the whole table once (``native.draft_state.used_columns``), then ship
 packed rows (``[n, C]`` for a begin, ``[m, C]`` for a commit pass; each row's used

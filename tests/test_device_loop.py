@@ -257,7 +257,7 @@ def test_device_input_loop_op_budget(view_kind, n, padded):
                     reason="MTPMETA_DEBUG=1: the invariant checks issue torch ops")
 @pytest.mark.parametrize("view_kind", sorted(VIEWS))
 def test_device_input_standard_step_meets_the_host_routes_step_budget(view_kind):
-    """Issue 24, item 7: with device inputs the whole standard step (rows, carry, the
+    """With device inputs the whole standard step (rows, carry, the
     draft loop on device start positions and table, then the commit pass on host
     inputs, as in the bench's device-input trace) stays within the budget the host
     route is held to (``test_op_budget.STEP_BUDGET``: 16 device data ops, its 3

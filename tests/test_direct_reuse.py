@@ -45,8 +45,8 @@ def _counted_commit(meta, view, inputs, padded_requests=None):
 
 
 def test_a_counted_commit_allocates_no_buffer_per_call(monkeypatch):
-    """Failure story: every counted commit allocated its ``known`` record anew (one
-    ``np.zeros`` per call); it is now one buffer of the backend."""
+    """A counted commit's ``known`` record is one buffer of the backend. Failure story: a
+    record allocated anew per call (one ``np.zeros``) costs every commit pass."""
     meta, view, _ = build("direct")
     _counted_commit(meta, view, full_batch_inputs())
     meta.end_forward()
@@ -85,7 +85,7 @@ def test_a_view_wider_than_max_requests_grows_the_buffer_once():
 
 def test_each_view_gets_the_entry_point_of_its_own_field_types():
     """A draft depth calls the compiled entry point of its view's field types, never
-    the dispatcher's typing (``mtpmeta.kernels.pinned_entry``): depths alternating between a
+    the dispatcher's typing (``mtpmeta.kernels.entry.pinned_entry``): depths alternating between a
     view of the default dtypes and one whose block fields are rebound to int64, and a
     field rebound mid-loop, each equal the reference's view. Failure story: one entry
     point kept for every view would unbox an int64 field as int32 (wrong ids or worse)."""

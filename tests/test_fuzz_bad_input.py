@@ -679,7 +679,7 @@ def test_strided_inputs_give_what_their_contiguous_copies_give(path, method, dat
 
 
 # ------------------------------------------- reproducers of bugs this fuzz found
-# One minimal call per bug (all fixed in 4682de2); a path is parametrized only where the
+# One minimal call per bug; a path is parametrized only where the
 # paths differ.
 def _raises_cleanly_and_changes_nothing(meta, view, call, exc=ALLOWED):
     before = _snapshot(meta, [view])

@@ -165,8 +165,8 @@ def _standard_step_counts(config: StepConfig, *, numpy_inputs: bool = False) -> 
     return counter
 
 
-#: The mirror path's budget of data-touching torch ops per standard step, advances
-#: included (issue 11 asked for 32; issue 17 for 16 without the 3 advances).
+#: The mirror path's budget of data-touching torch ops per standard step: 16, plus one
+#: per draft advance (each advance must show on the device when it returns).
 MIRROR_DATA_OPS_PER_STEP = 16 + STANDARD.depths
 MIRROR_DATA_OPS_NOW = 14  # this design's count: a regression guard
 
@@ -175,8 +175,8 @@ MIRROR_DATA_OPS_NOW = 14  # this design's count: a regression guard
 @pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
 def test_graphed_draft_loop_costs_the_ops_of_an_eager_one(graphed):
     """contract §9: a graphed depth's setup runs on the host-staged route like an eager
-    depth. The graphed draft loop used to take the device-op route, about twice the
-    torch ops of the eager one, and it must make no sync either way."""
+    depth. On the device-op route the graphed draft loop would issue about twice the
+    torch ops of the eager one; it must make no sync either way."""
     eager = _standard_step_counts(STANDARD)
     counter = _standard_step_counts(replace(STANDARD, graphed=graphed))
     assert counter.scalar_reads == 0, counter.ops
@@ -202,8 +202,7 @@ def test_torch_inputs_add_only_views_to_the_mirror_step():
 def test_mirror_step_touches_data_with_at_most_16_torch_ops_besides_advances(graphed):
     """Every data-touching torch op of the mirror path is a kernel launch on a GPU
     (several µs of host time each). A standard step, eager or graphed, with the
-    seed's torch inputs, stays within 16 of them besides its advances (issue 17; issue
-    11's budget was 32) and makes no sync. Per-call budgets, on both view layouts, are
+    seed's torch inputs, stays within 16 of them besides its advances and makes no sync. Per-call budgets, on both view layouts, are
     in test_op_budget.py."""
     counter = _standard_step_counts(replace(STANDARD, graphed=graphed))
     assert counter.scalar_reads == 0, counter.ops

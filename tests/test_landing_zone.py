@@ -1,4 +1,4 @@
-"""The fixed stages' shared device landing zone (``shadow_stage.py``, issue 24 item 2),
+"""The fixed stages' shared device landing zone (``mtpmeta/mirror/stages.py``),
 under the CUDA-semantics simulator (``tests/cuda_sim.py``).
 
 Every slot's H2D copy of a draft depth or commit pass lands in ONE device buffer (the

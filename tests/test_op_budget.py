@@ -1,4 +1,4 @@
-"""Device data ops per call on the mirror path, on BOTH view layouts (issue 17).
+"""Device data ops per call on the mirror path, on BOTH view layouts.
 
 On a GPU every data-touching torch op is a launch, 4-7 µs of host time; the standard
 step's ops are most of its host cost. These budgets are counts, not times: a copy
@@ -30,9 +30,9 @@ pytestmark = pytest.mark.skipif(
     reason="MTPMETA_DEBUG=1: the invariant checks issue torch ops of their own")
 
 STANDARD = StepConfig()
-#: Device data ops per call (issue 17's targets; begin_decode 3 since issue 23, F4: its
-#: table lands in a private device copy, the commit pass's only source of reused rows,
-#: and one device-to-device copy fills block_table from it).
+#: Device data ops per call, the design's budget (begin_decode 3: its table lands in a
+#: private device copy, the commit pass's only source of reused rows, and one
+#: device-to-device copy fills block_table from it).
 BUDGET = {"carry": 1, "begin_decode": 3, "depth": 3, "advance": 1, "commit": 4}
 STEP_BUDGET = 16  # the standard step, advances not counted
 #: What this design reaches: H2D + one _foreach_copy_ per depth and per commit pass;
@@ -85,8 +85,8 @@ def test_draft_depth_ops_and_h2d_bytes_do_not_grow_with_the_table_width(layout):
     """Under CUDA semantics (simulated): a draft depth makes exactly one host-to-device
     copy, contiguous, from pinned memory, of the same byte count at W = 8 and W = 512
     (the table crosses to the device once per draft loop, in begin_decode, and each
-    depth fills mha_block_table from the persistent device copy). The old design
-    shipped a [padded, W] table through the host at every depth."""
+    depth fills mha_block_table from the persistent device copy), not a [padded, W]
+    table through the host at every depth."""
     per_width = {}
     for width in (8, 512):
         config = replace(SIM_STEP, block_columns=width)
@@ -183,8 +183,8 @@ def test_upstream_layout_keeps_every_byte_outside_the_ten_mtp_fields():
     assert torch.equal(view.mha_block_table[:requests], own.mha_block_table[:requests])
 
 
-#: Upstream's real class, driven by its context helpers on the standard step (issue 17's
-#: facts table): data ops per call.
+#: Upstream's real class, driven by its context helpers on the standard step: data ops
+#: per call.
 UPSTREAM_DATA_OPS = {"depth": 27, "commit": 50, "begin_decode": 2, "carry": 1,
                      "advance": 1, "rows": 8}
 
@@ -192,9 +192,9 @@ UPSTREAM_DATA_OPS = {"depth": 27, "commit": 50, "begin_decode": 2, "carry": 1,
 def test_reference_op_counts_are_upstreams_within_ten_percent():
     """The reference is the bench's baseline: "x times the reference" must mean "x times
     upstream". Its data ops per call on the standard step are upstream's within ±10%
-    (rows within one op: upstream's class code issues 7 for these row ops, the facts
-    table says 8). The old reference wrote every pad slice even when empty and
-    re-cloned values upstream reads once: 37 ops a depth against upstream's 27."""
+    (rows within one op: upstream's class code issues 7 for these row ops, its helpers
+    8). A reference that wrote every pad slice even when empty and re-cloned values
+    upstream reads once would run 37 ops a depth against upstream's 27."""
     from mtpmeta.bench.variants import build
 
     meta, view = build("reference", STANDARD, torch.device("cpu"))

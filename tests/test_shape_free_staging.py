@@ -1,5 +1,5 @@
-"""The mirror path's draft depths and commit passes build nothing per shape (issue 24,
-item 2): over steps whose counts change every time, once every (tensor, length) of
+"""The mirror path's draft depths and commit passes build nothing per shape:
+over steps whose counts change every time, once every (tensor, length) of
 the trace was seen, no layout, CopyPlan, cache entry or slice is built any more,
 however many steps follow; a placement's prefixes are warm after one slot saw their
 length (every slot lands in one device zone); and the views stay bit-exact with the
@@ -134,7 +134,7 @@ def test_builds_stop_after_warm_up_and_views_match(monkeypatch, kind, table_dtyp
 
 
 def test_counted_calls_stop_building_after_warm_up(monkeypatch):
-    """The opt-in block counts (issue 24 item 4) at W 40: begins and commit passes
+    """The opt-in block counts at W 40: begins and commit passes
     with per-row counts (every row 1..8 blocks, so the shipped width C is 8 or 16 of
     40) build nothing after a warm-up of 500 random steps, over 200 more; the views
     and buffers equal the reference's on the table with D past the counts."""

@@ -1,4 +1,4 @@
-"""GPU review round 2 (issue 16), under the CUDA-semantics simulator (``tests/cuda_sim.py``).
+"""The mirror path's device hazards, under the CUDA-semantics simulator (``tests/cuda_sim.py``).
 
 Each section pins one hazard of the mirror path: device-route rows outside the table,
 persistent buffers shared by two streams, caller device tensors freed while queued
@@ -423,7 +423,7 @@ def device_input_steps(sim: CudaSim, seed: int = 0):
 
 
 def test_device_inputs_take_the_device_route_and_match_the_reference(make_sim):
-    """Simulated device inputs reach ``mirror_device.DeviceRoute`` (routed by the
+    """Simulated device inputs reach ``mtpmeta.mirror.device_route.DeviceRoute`` (routed by the
     runtime, not ``tensor.is_cpu``), run with no sync, no hidden copy and no scan that
     allocates on CUDA, and every forward equals the reference's."""
     sim = make_sim(4)

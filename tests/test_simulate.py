@@ -198,7 +198,7 @@ def test_cli_refuses_bad_arguments(capsys):
 
 
 def test_a_write_aimed_at_an_inherited_block_is_flagged():
-    """Draft depths have no inherited-block redirect (issue 12, §3): a scheduler that
+    """Draft depths have no inherited-block redirect: a scheduler that
     drafted into a shared prefix block would overwrite every sharer's KV. The checker
     refuses any planned write of a block a live request inherited."""
     engine = Engine(SimConfig(), seed=SEED)

@@ -89,7 +89,7 @@ step summary 2 true
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible")
 def test_gpu_check_without_a_gpu_says_so_in_one_line(tmp_path):
-    """Issue 25: without CUDA the script runs nothing and exits non-zero with one clear
+    """Without CUDA the script runs nothing and exits non-zero with one clear
     line, no traceback."""
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
     env["NUMBA_CACHE_DIR"] = str(tmp_path / "numba")
@@ -132,8 +132,8 @@ _MODULE_LINES = 500
 def test_no_module_grows_past_the_house_size():
     """Every module of the library (``mtpmeta/``, tool packages included, and
     ``native/``) stays within 500 lines, so a reader can hold one; there are no
-    exceptions. Failure story: a module keeps growing until no one can tell its job from
-    its name (checks.py, mirror.py and metadata.py had reached 658, 560 and 574)."""
+    exceptions. Failure story: a module keeps growing until it holds two jobs and no one
+    can tell either from its name."""
     sizes = {path.relative_to(ROOT).as_posix(): len(path.read_text().splitlines())
              for folder in ("mtpmeta", "native") for path in (ROOT / folder).rglob("*.py")}
     assert "mtpmeta/validation/checks.py" in sizes and "native/rows.py" in sizes

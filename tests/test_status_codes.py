@@ -1,7 +1,7 @@
 """The kernels' status codes: plain ints in ``native/`` (numba kernels return ints),
 ``IntEnum``s in ``mtpmeta.validation.bounds``, the one module that decodes them.
 
-Failure story: a code is renumbered or added in ``native/`` while ``check_bounds`` still
+Failure story: a code is renumbered or added in ``native/`` while ``mtpmeta.validation.bounds`` still
 decodes the old numbers, so a refused input raises the wrong message, or none and the
 call goes on to write.
 """

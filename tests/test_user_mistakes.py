@@ -1,4 +1,4 @@
-"""Plausible scheduler mistakes that used to get through silently (issue 15, §1).
+"""Plausible scheduler mistakes that must not get through silently.
 
 Each refusal is checked on both paths (direct and CPU-forced mirror) for its type, a
 message that names the argument, the value and the bound or dtype, and that not one
@@ -73,8 +73,8 @@ def _upstream_layout_view():
 ])
 def test_begin_decode_refuses_block_ids_that_do_not_fit_block_table_dtype(
         path, dtype, dummy, value):
-    """A table entry that block_table_dtype cannot hold used to wrap in the copy into
-    ``block_table``: the wrapped id is another request's real block."""
+    """A table entry that block_table_dtype cannot hold would wrap in the copy into
+    ``block_table`` if accepted: the wrapped id is another request's real block."""
     meta, view = _primed(path, block_table_dtype=dtype, dummy_block_idx=dummy)
     table = _with(value, 1, 2)
     _refused(meta, [view], lambda: meta.begin_decode(2, 2, [0, 1], table, False),
@@ -93,7 +93,7 @@ def test_begin_decode_accepts_every_id_the_dtype_holds(path):
 
 def test_draft_depth_refuses_ids_the_view_dtype_cannot_hold(path):
     """``block_table_dtype=torch.int64`` holds ``2**33 + 7``, the view's int32
-    token_to_block_idx does not: the depth used to write 7. Refused before any write,
+    token_to_block_idx does not: unchecked, the depth would write 7. Refused before any write,
     for the written column and for any entry of the rows (mha_block_table)."""
     meta = make_metadata(path, block_table_dtype=torch.int64)
     view = make_view("context")
@@ -173,8 +173,8 @@ def test_captured_loop_on_a_wide_view_keeps_wide_ids(path):
 
 @pytest.mark.parametrize("view_kind", ["context", "upstream"])
 def test_commit_pass_refuses_block_ids_that_do_not_fit_the_view(path, view_kind):
-    """``2**32 + 3`` in a column the pass writes used to become
-    ``token_to_block_idx = 3``. Both view layouts hold an int32 mha_block_table, which
+    """``2**32 + 3`` in a column the pass writes would become
+    ``token_to_block_idx = 3`` unchecked. Both view layouts hold an int32 mha_block_table, which
     every entry of a request's row reaches; the written id is named either way."""
     meta, view = _primed(path)
     if view_kind == "upstream":
@@ -214,7 +214,7 @@ def test_write_token_maps_ignores_ids_in_columns_no_token_writes(path):
 
 def test_check_invariants_flags_a_negative_block_id(path):
     """A wrapped ``2**31`` reads ``-2147483648``: no real token may hold a negative
-    block (the writers now refuse one; this plants it in the view)."""
+    block (the writers refuse one; this plants it in the view)."""
     meta, view = _primed(path)
     meta.check_invariants()
     view.token_to_block_idx[1] = -2**31
@@ -224,7 +224,7 @@ def test_check_invariants_flags_a_negative_block_id(path):
 
 def test_check_invariants_flags_a_draft_id_the_view_cannot_hold(path):
     """An int64 draft table entry ``2**33 + 7`` read by a real draft token of an int32
-    view: the view can only hold a wrapped id (planted, since the depth now refuses)."""
+    view: the view can only hold a wrapped id (planted, since the depth refuses it)."""
     meta = make_metadata(path, block_table_dtype=torch.int64)
     view = make_view("context")
     meta.begin_decode(2, 2, [0, 5], TABLE, False)
@@ -299,7 +299,7 @@ def test_largest_dummy_block_the_dtype_holds_is_accepted(path):
 # ---------------------------------------------------- 1.4 -1 block in a written column
 def test_draft_depth_refuses_an_unallocated_block_in_the_column_it_writes(path):
     """Row 0 starts in column 0 and its next depth steps into column 1, which holds -1:
-    that depth used to write ``token_to_block_idx = -1``. The first depth is fine;
+    unchecked, that depth would write ``token_to_block_idx = -1``. The first depth is fine;
     the second is refused before any write, and rows whose -1 columns are never
     written are accepted."""
     meta = make_metadata(path)
@@ -367,7 +367,7 @@ def test_inherited_blocks_may_cover_the_whole_table(path):
 
 
 # ------------------------- 1.5b the whole annotation buffer with paused rows first
-# Issue 25: rows [0, 1) paused, row 1 active with no prefix hit, row 2 active with one
+# Rows [0, 1) paused, row 1 active with no prefix hit, row 2 active with one
 # inherited block (TABLE row 2 = [30, 31, ...]: block 30 is shared). The active slice
 # [1:3] reads [0, 1]; the whole buffer reads [0, 0] and let request 1 write block 30.
 PAUSED = 1
@@ -389,9 +389,9 @@ def _paused_first(path):
 @pytest.mark.parametrize("form", sorted(_WHOLE_FORMS))
 def test_whole_annotation_buffer_with_paused_rows_first_is_refused(path, form):
     """The buffer itself from row 0 while draft_annotation_offset says rows are paused:
-    a ValueError naming inherited_blocks and the slice to pass, nothing written. It
-    used to be accepted, and request 1's position 3 (column 0 of TABLE[2]) went to the
-    shared block 30 in both calls."""
+    a ValueError naming inherited_blocks and the slice to pass, nothing written. Accepted,
+    it would send request 1's position 3 (column 0 of TABLE[2]) to the shared block 30
+    in both calls."""
     meta, view = _paused_first(path)
     whole = _WHOLE_FORMS[form](meta.request_matched_prefix_blocks)
     match = (r"inherited_blocks is request_matched_prefix_blocks from row 0, but "
@@ -448,8 +448,8 @@ def test_annotations_after_deallocate_read_none_and_say_what_to_call():
 
 
 def test_a_device_input_on_another_device_names_the_device_it_got():
-    """The mirror path's device route said only "every input must be a tensor on cpu";
-    a meta tensor (or a list beside one) is now named."""
+    """The mirror path's device route names the device it got: a meta tensor (or a list
+    beside one) is named, not only "every input must be a tensor on cpu"."""
     meta, view = _primed("mirror")
     on_meta = torch.zeros(2, dtype=torch.int32, device="meta")
     table = torch.zeros((2, W), dtype=torch.int32, device="meta")
@@ -473,7 +473,7 @@ def test_enabled_must_be_a_bool(bad):
 
 @pytest.mark.parametrize("bad", ["no", 0, None, [False]])
 def test_graphed_must_be_a_bool(path, bad):
-    """``graphed="no"`` used to be taken as True (the capture-time bound)."""
+    """``graphed="no"`` is refused, not taken as True (the capture-time bound)."""
     meta, view = _primed(path)
     _refused(meta, [view], lambda: meta.begin_decode(2, 2, [0, 1], TABLE, graphed=bad),
              TypeError, rf"graphed: expected a bool .*{bad!r}")
@@ -490,8 +490,8 @@ def test_numpy_bools_are_flags(path):
 
 @pytest.mark.parametrize("bad", ["draft", "DRAFT", 1, None, True])
 def test_forward_mode_takes_only_an_mtp_forward_mode(path, bad):
-    """A string used to be stored: forward_active then read True and check_invariants
-    passed. Assigning a mode (upstream style) still works."""
+    """A string is refused: stored, it would make forward_active read True and
+    check_invariants pass. Assigning a mode (upstream style) still works."""
     meta, view = _primed(path)
     meta.end_forward()
     _refused(meta, [view], lambda: setattr(meta, "forward_mode", bad), TypeError,
@@ -505,8 +505,8 @@ def test_forward_mode_takes_only_an_mtp_forward_mode(path, bad):
 @pytest.mark.parametrize("method", ["advance_decode_step", "stage_decode_lengths"])
 @pytest.mark.parametrize("mode", ["after end_forward", "in COMMIT"])
 def test_draft_steps_refuse_outside_draft(path, method, mode):
-    """Both used to run after end_forward and during a commit pass, shifting the
-    offsets (or the lengths) of a loop that had ended."""
+    """Both refuse after end_forward and during a commit pass: run there, they would shift
+    the offsets (or the lengths) of a loop that had ended."""
     meta, view = _primed(path)
     meta.end_forward()
     if mode == "in COMMIT":
@@ -533,7 +533,7 @@ def test_advance_may_step_past_the_table_at_the_end_of_a_loop(path):
 def test_check_uses_the_inherited_counts_of_the_call_not_the_current_annotations(path):
     """The README's recipe passes ``request_matched_prefix_blocks[paused:total]``, a
     view of the annotations. A scheduler that updates the annotations before checking
-    (a new prefix hit for row 2) used to get a false alarm ("token 6 ... points at block
+    (a new prefix hit for row 2) must not get a false alarm ("token 6 ... points at block
     20, expected dummy_block_idx")."""
     meta = make_metadata(path)
     view = make_view("context")
@@ -557,8 +557,8 @@ def test_check_invariants_refuses_an_argument_that_is_no_view(path):
 
 
 def test_a_too_short_view_field_is_named_not_the_counts(path):
-    """A field rebound to a short tensor used to be reported as "append_counts: 5
-    tokens > max_tokens 4", sending the reader to the wrong argument."""
+    """A field rebound to a short tensor is named, not reported as "append_counts: 5
+    tokens > max_tokens 4", which would send the reader to the wrong argument."""
     meta, view = _primed(path)
     view.token_to_request_idx = torch.zeros(4, dtype=torch.int32)
     _refused(meta, [view], lambda: meta.setup_commit_pass(view, [3, 2], TABLE),

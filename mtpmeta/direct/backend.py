@@ -52,7 +52,7 @@ class DirectBackend:
         # there: it fills every column), kept so that a commit allocates nothing
         self._known = np.zeros(max_requests + 1, dtype=np.int32)
         # (target, decode_step's arguments after ``padded``, its pinned entry point,
-        # mtpmeta.kernels.pinned_entry) of the last depth's view
+        # mtpmeta.kernels.entry.pinned_entry) of the last depth's view
         self._decode_tail: Tuple[Optional[ViewTarget], tuple, Any] = (None, (), None)
         # advance_decode_step(count): the kernel's entry point bound to the offsets, so
         # each depth's advance calls compiled code with no Python frame or typing between

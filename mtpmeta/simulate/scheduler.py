@@ -9,7 +9,7 @@ Two limits keep the batch inside what the library promises:
   chunk-boundary carry (upstream's context has one chunked request in flight);
 * at most ``R - 1`` requests are active, so a commit pass always has ``P < R`` and its
   TP pad rows get their own trailing pad request (contract §6). With ``P == R`` the last
-  request would absorb them and read past the blocks it owns (issue 12, §3).
+  request would absorb them and read past the blocks it owns (contract §6).
 """
 
 from __future__ import annotations
