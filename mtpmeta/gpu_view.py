@@ -13,7 +13,7 @@ from __future__ import annotations
 import operator
 import weakref
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import numpy as np
 import torch
@@ -257,10 +257,14 @@ class ViewTarget:
 
 
 class ViewCache:
-    """Resolves destination views to ``ViewTarget``s, keeping a few recent ones."""
+    """Resolves destination views to ``ViewTarget``s, keeping a few recent ones.
 
-    def __init__(self, capacity: int = 8) -> None:
+    ``retire`` (``DeviceLifecycle.retire``) runs before an evicted target that holds
+    device scratch drops it: work queued on any stream may still use the scratch."""
+
+    def __init__(self, capacity: int = 8, retire: Optional[Callable[[], None]] = None) -> None:
         self._capacity = capacity
+        self._retire = retire
         self._entries: Dict[int, Tuple[weakref.ReferenceType | Any, ViewTarget]] = {}
 
     def resolve(self, gpu_view: Any, accept: Any = None) -> ViewTarget:
@@ -276,7 +280,10 @@ class ViewCache:
         if accept is not None:
             accept(target)
         if len(self._entries) >= self._capacity:
-            self._entries.pop(next(iter(self._entries)))
+            _, evicted = self._entries.pop(next(iter(self._entries)))
+            if self._retire is not None and (evicted.writer_scratch is not None or
+                                             evicted.token_scratch is not None):
+                self._retire()
         try:
             ref: Any = weakref.ref(gpu_view)
         except TypeError:  # objects without __weakref__ (e.g. slotted) are held strongly

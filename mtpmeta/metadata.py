@@ -275,6 +275,9 @@ class MTPMetadata(MetadataState, CapturedLoop, DraftLoop, ViewWriters):
                 f"take_chunk_boundary: buffers are not allocated (call allocate(device) "
                 f"first), so no chunk-boundary carry is live for request {req_id}")
         check_take(self._carry_state, req_id, seam_position)
+        order = None if self._backend is None else self._backend.stream_order
+        if order is not None:  # the caller's reads follow the carry's copy
+            order.enter_unless_capturing()
         return self._buffers.chunk_boundary_hidden
 
     # ---------------------------------------------------------------- draft loop

@@ -30,7 +30,7 @@ capture underway, and work issued on another stream meanwhile is counted
 ``mtpmeta.buffers.device_runtime.use_runtime`` (entered by ``with sim:``): ``host_empty``,
 ``is_host``/``is_device``/``to_host`` (by storage kind, so simulated device tensors take
 the library's device route), ``record_stream``, ``event``, ``current_stream``,
-``is_capturing`` (any stream) and ``fence``, the last returning the library's own
+``is_capturing`` (any stream), ``synchronize`` (every stream) and ``fence``, the last returning the library's own
 ``CopyFence`` unless ``disable_fences`` (the negative control) asks for a no-op fence.
 Nothing inside the library is patched.
 
@@ -94,6 +94,11 @@ _COPY = torch.ops.aten.copy_.default
 _METADATA_OPS = frozenset(f"aten::{name}_" for name in (
     "as_strided", "transpose", "t", "unsqueeze", "squeeze", "swapdims", "swapaxes",
     "detach", "resize", "set"))
+
+
+#: The sync reason of the library's own device synchronize (``DeviceRuntime.synchronize``:
+#: buffers born or dropped, ``mtpmeta.buffers.lifecycle``).
+RUNTIME_SYNC = "runtime synchronize"
 
 
 class SimDeviceError(RuntimeError):
@@ -268,6 +273,9 @@ class SimRuntime(TorchRuntime):
 
     def is_capturing(self, device: torch.device) -> bool:
         return self.sim.capturing()  # any stream: the device's capture is global
+
+    def synchronize(self, device: torch.device) -> None:
+        self.sim._host_sync(RUNTIME_SYNC)
 
     def fence(self, device: torch.device) -> Any:
         self.sim._tick()

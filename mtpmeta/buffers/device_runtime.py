@@ -15,6 +15,8 @@ Everything the mirror path asks of CUDA *besides* plain torch ops goes through o
 * ``fence(device)`` -- a ``CopyFence`` that marks when the device stops reading a
   staging slot (the fence factory of the staging rings);
 * ``event(device)`` / ``current_stream(device)`` -- what a fence records, and where;
+* ``synchronize(device)`` -- block the host until the device ran everything queued on
+  every stream (``lifecycle.DeviceLifecycle`` only: buffers born or dropped);
 * ``is_capturing(device)`` -- whether a CUDA graph capture is underway on the device,
   as far as the runtime can see (ring-using calls refuse to run then: a capture would
   bake a pinned slot and a host-side decision into the graph, and a fence's event
@@ -54,6 +56,7 @@ class DeviceRuntime(Protocol):
     def event(self, device: torch.device) -> Optional[DeviceEvent]: ...
     def current_stream(self, device: torch.device) -> Any: ...
     def is_capturing(self, device: torch.device) -> bool: ...
+    def synchronize(self, device: torch.device) -> None: ...
     def fence(self, device: torch.device) -> "CopyFence": ...
 
 
@@ -173,6 +176,10 @@ class TorchRuntime:
             return torch.cuda.is_current_stream_capturing()
         with torch.cuda.device(device):
             return torch.cuda.is_current_stream_capturing()
+
+    def synchronize(self, device: torch.device) -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     def fence(self, device: torch.device) -> CopyFence:
         return CopyFence(device, self)

@@ -17,6 +17,7 @@ import torch
 from mtpmeta.buffers.persistent import PersistentBuffers
 from mtpmeta.gpu_view import ViewTarget
 from mtpmeta.buffers.device_runtime import StreamOrder
+from mtpmeta.buffers.lifecycle import DeviceLifecycle
 
 __all__ = ["Backend"]
 
@@ -27,6 +28,7 @@ class Backend(Protocol):
     host_offsets: np.ndarray  # [R] int32: the host's copy of the draft offsets
     host_offsets_known: bool  # False after begin_decode from device start positions
     stream_order: Optional[StreamOrder]  # of the persistent buffers (None: the CPU)
+    lifecycle: DeviceLifecycle  # orders its buffers' creation and drop across streams
 
     def begin_decode(self, count: int, start_positions: np.ndarray,
                      table_src: np.ndarray) -> bool: ...

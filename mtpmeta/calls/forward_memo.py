@@ -17,6 +17,7 @@ from torch import Tensor
 
 from mtpmeta.buffers.persistent import PersistentBuffers
 from mtpmeta.buffers.bounded_cache import BoundedCache
+from mtpmeta.buffers.lifecycle import DeviceLifecycle
 from mtpmeta.validation.checks import check_view_device
 from mtpmeta.validation.geometry import Geometry
 from mtpmeta.gpu_view import ViewCache, ViewTarget
@@ -35,10 +36,11 @@ class ForwardMemo:
     __slots__ = ("_buffers", "_geometry", "_views", "_last_view", "_shapes", "_prefill",
                  "active", "narrow_table")
 
-    def __init__(self, buffers: PersistentBuffers, geometry: Geometry) -> None:
+    def __init__(self, buffers: PersistentBuffers, geometry: Geometry,
+                 lifecycle: DeviceLifecycle) -> None:
         self._buffers = buffers
         self._geometry = geometry
-        self._views = ViewCache()
+        self._views = ViewCache(retire=lifecycle.retire)
         # The last resolved view: (weakref to it, its target, the target's generation).
         # It skips the cache's lookup, its weakref and bound-method setup.
         self._last_view: Optional[Tuple[Any, ViewTarget, Optional[int]]] = None

@@ -168,8 +168,11 @@ class MetadataState:
         """Swap in an allocation (or none), with no draft loop, forward or carry.
         Fresh buffers hold no draft loop: a re-allocate mid-forward must not leave
         DRAFT pointing at views of the dropped buffers (upstream's would)."""
+        if self._backend is not None:  # every queued use of the old buffers first
+            self._backend.lifecycle.retire()
         self._buffers, self._backend, self._geometry = buffers, backend, geometry
-        self._memo = None if buffers is None else ForwardMemo(buffers, geometry)
+        self._memo = None if buffers is None else ForwardMemo(buffers, geometry,
+                                                              backend.lifecycle)
         self._captured = None if buffers is None else CapturedRoute(
             buffers, block_size=self.block_size_tokens, dummy=self.dummy_block_idx,
             order=backend.stream_order)
@@ -188,6 +191,8 @@ class MetadataState:
         # Their prefixes by length (<= R): n for the int32 scratch, -1 - n for the other.
         self._inherited_views: Dict[int, np.ndarray] = {}
         self.invalidate_chunk_boundary()
+        if backend is not None:  # the fills of allocate, before a call on any stream
+            backend.lifecycle.born()
 
     def _require(self, method: str) -> Any:
         """The backend, or a clear error: disabled object, or not allocated."""

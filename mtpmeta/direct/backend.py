@@ -12,6 +12,7 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 from mtpmeta.buffers import persistent
+from mtpmeta.buffers.lifecycle import DeviceLifecycle
 from mtpmeta.kernels import native
 from mtpmeta.buffers.persistent import PersistentBuffers
 from mtpmeta.gpu_view import ViewTarget
@@ -32,6 +33,7 @@ class DirectBackend:
     def __init__(self, buffers: PersistentBuffers, *, max_requests: int, block_size: int,
                  dummy: int) -> None:
         self.buffers = buffers
+        self.lifecycle = DeviceLifecycle(buffers.offsets.device)  # the CPU: no-ops
         self.max_requests = max_requests
         self.block_size = block_size
         self.dummy = dummy

@@ -76,6 +76,7 @@ from mtpmeta.mirror.device_route import DeviceRoute
 from mtpmeta.mirror.forward_staging import _ALIGN, ForwardStaging
 from mtpmeta.mirror.copy_plan import word_view
 from mtpmeta.buffers.device_runtime import DeviceRuntime, StreamOrder, get_runtime
+from mtpmeta.buffers.lifecycle import DeviceLifecycle
 from mtpmeta.buffers.bounded_cache import BoundedCache
 from mtpmeta.mirror.pinned_ring import StagingRing
 
@@ -164,6 +165,7 @@ class MirrorBackend(ForwardStaging, CountedStaging):
             self._slices.put(("begin_place", count), self._begin_pairs(count))
             self._prefix("offsets", buffers.offsets, 0, count)
         self._order = StreamOrder(self.device, runtime)  # of the persistent buffers
+        self.lifecycle = DeviceLifecycle(self.device, runtime)  # born by MTPMetadata
 
     @property
     def stream_order(self) -> StreamOrder:

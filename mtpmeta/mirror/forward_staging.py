@@ -92,8 +92,10 @@ class ForwardStaging:
         for fence in ring.fences:
             fence.wait()
         self._retired_stalls += sum(fence.blocked for fence in ring.fences)
+        self.lifecycle.retire()  # the old ring's device stages and zone, used on any stream
         self._forward_ring = StagingRing(max(nbytes, 2 * ring.slot_bytes), ring.num_slots,
                                          self.device, self.runtime, device_twin=True)
+        self.lifecycle.born()  # the new ring's fills, before a writer on any stream
         self._generation += 1
         for target in list(self._planned):
             plans = target.plans
