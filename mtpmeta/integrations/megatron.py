@@ -1,0 +1,251 @@
+"""``patch()``: Megatron-core's inference engine on mtpmeta, in one call.
+
+As ``apply_liger_kernel_to_llama()`` does for a Hugging Face model, ``patch()``
+replaces, in the installed megatron-core, what its engine uses for the MTP draft-KV
+cache:
+
+- ``MTPMetadata`` and ``MTPForwardMode`` of upstream's module
+  ``megatron.core.inference.contexts.mtp_metadata`` become this library's, there and in
+  every ``megatron`` module already imported that holds upstream's object under that
+  name (``from .mtp_metadata import MTPForwardMode`` binds the name at import, and
+  importing upstream's module imports its package, the engine's context included);
+- the three context helpers of ``megatron.core.inference.contexts.mtp_context_mixin.
+  MTPContextMixin`` (``_mtp_begin_decode``, ``_mtp_setup_decode_step``,
+  ``_mtp_setup_prefill_step``) become the functions below: one fused call each
+  (``begin_decode``, ``setup_decode_step``, ``setup_commit_pass``; docs/contract.md
+  §5, §10) instead of upstream's writer sequence.
+
+Call it before the engine builds its context: the context constructs its
+``MTPMetadata`` then, and the replaced helpers need this library's. ``patch()`` twice
+is one patch; ``unpatch()`` puts every original back, object for object. Neither
+imports megatron before it is called (``import mtpmeta`` never does); without the
+modules, ``patch()`` raises ``ImportError`` naming the one that is missing.
+
+The replacements keep upstream's signatures and upstream's effects on the context: the
+bytes of ``context.gpu_view`` (contract §13: the writers touch nothing outside the ten
+MTP fields), the arguments of every ``context._mtp_activate_attn_metadata(...)`` call,
+and ``forward_mode`` afterwards (``COMMIT`` after the prefill step). What they drop is
+the read-back: upstream's eager helpers take ``kv_len.max().item()`` (a draft depth)
+and ``seq_lengths.max().item()`` (the commit pass) from the device, a sync each; these
+take both from the ``ForwardShape`` the fused call computed on the host. The one
+exception is an eager draft depth after ``start_positions`` arrived as a device tensor:
+the host has no copy of them (contract §10, ``max_seqlen_k`` is None), so that depth
+reads its longest KV length back from the view as upstream does. Host inputs keep the
+whole step free of syncs; device inputs of the commit pass are read back (contract §8).
+
+Documented differences the replacements inherit from the library (README,
+"Differences from upstream"): inputs are validated before anything is written, and a
+full commit batch (``P == max_requests``) with pad tokens points the absorbing request's
+block columns past its span at the dummy block instead of copying the caller's row.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import sys
+from typing import Any, List, Optional, Tuple
+
+from mtpmeta.errors import MTPDisabledError
+from mtpmeta.metadata import MTPMetadata
+from mtpmeta.types import MTPForwardMode
+
+__all__ = ["patch", "unpatch", "is_patched", "METADATA_MODULE", "MIXIN_MODULE"]
+
+#: Upstream's module that defines ``MTPMetadata`` and ``MTPForwardMode``.
+METADATA_MODULE = "megatron.core.inference.contexts.mtp_metadata"
+#: Upstream's module that defines ``MTPContextMixin``, the context's MTP helpers.
+MIXIN_MODULE = "megatron.core.inference.contexts.mtp_context_mixin"
+
+_MISSING = object()  # an attribute that was not in the namespace before the patch
+# What patch() replaced: (namespace owner, name, original or _MISSING), in order.
+_applied: List[Tuple[Any, str, Any]] = []
+
+
+# ------------------------------------------------------------------- the helpers
+def _active_rows(context: Any) -> slice:
+    """The context's active request rows, ``[paused_request_count, total_request_count)``.
+
+    The context's per-request arrays (``request_to_kv_block_ids`` [R, W],
+    ``request_matched_prefix_blocks`` [R]) hold paused rows first, so active request
+    ``i`` is row ``paused + i``. The metadata learns where they start too
+    (``draft_annotation_offset``, read by ``check_invariants``, contract §10-§11).
+    Example: paused 1, total 3 -> rows ``slice(1, 3)``, offset 1.
+    """
+    paused = int(context.paused_request_count)
+    context.mtp_metadata.draft_annotation_offset = paused
+    return slice(paused, int(context.total_request_count))
+
+
+def _library_metadata(context: Any, helper: str, *, enabled: bool = False) -> MTPMetadata:
+    """``context.mtp_metadata``, which must be this library's (built after ``patch()``).
+
+    ``enabled``: also require ``context.enable_mtp_kv_cache``, as upstream's helper
+    asserts (raised explicitly here: ``MTPDisabledError`` is an ``AssertionError``).
+    """
+    if enabled and not context.enable_mtp_kv_cache:
+        raise MTPDisabledError(f"{helper}: the context's MTP KV cache is disabled "
+                               f"(enable_mtp_kv_cache is False)")
+    meta = context.mtp_metadata
+    if not isinstance(meta, MTPMetadata):
+        raise TypeError(
+            f"{helper}: context.mtp_metadata is {type(meta).__module__}."
+            f"{type(meta).__qualname__}, not mtpmeta's MTPMetadata: call "
+            f"mtpmeta.integrations.megatron.patch() before the engine builds its context")
+    return meta
+
+
+def _mtp_begin_decode(self: Any, active_request_count: int, padded_count: int,
+                      start_positions: Any, graphed: bool = False) -> None:
+    """Enter the draft loop over the active rows (upstream's helper, one fused call).
+
+    ``start_positions`` [>= n]: depth 0's write position per active request. The
+    block table is the context's ``request_to_kv_block_ids`` at the active rows.
+    """
+    meta = _library_metadata(self, "_mtp_begin_decode", enabled=True)
+    rows = _active_rows(self)
+    meta.begin_decode(active_request_count, padded_count, start_positions,
+                      self.request_to_kv_block_ids[rows], graphed)
+
+
+def _mtp_setup_decode_step(self: Any) -> None:
+    """One draft depth: ``setup_decode_step`` on ``context.gpu_view``, then publish the
+    attention metadata. Graphed: the graph metadata's capture-time ``max_seqlen`` as
+    the key bound, as upstream passes it; eager: the host's longest KV length."""
+    meta = _library_metadata(self, "_mtp_setup_decode_step")
+    shape = meta.setup_decode_step(self.gpu_view)
+    if meta.graphed:
+        max_seqlen_k = self.graph_attn_metadata["mha_metadata"].max_seqlen
+    elif shape.max_seqlen_k is None:  # device start positions: no host copy (one sync)
+        n = shape.request_count
+        max_seqlen_k = int(self.gpu_view.mha_kv_seq_lengths[:n].max().item()) if n else 1
+    else:
+        max_seqlen_k = shape.max_seqlen_k
+    self._mtp_activate_attn_metadata(
+        graphed=meta.graphed,
+        padded_request_count=shape.padded_request_count,
+        max_seqlen_q=1,
+        max_seqlen_k=max_seqlen_k,
+        token_count=shape.token_count,
+        padded_token_count=shape.padded_token_count,
+    )
+
+
+def _mtp_setup_prefill_step(self: Any, append_counts: Any, block_table_prefill: Any,
+                            padded_token_count: Optional[int] = None,
+                            padded_request_count: Optional[int] = None,
+                            request_start_positions: Any = None,
+                            total: Optional[int] = None) -> None:
+    """The varlen commit pass: ``setup_commit_pass`` on ``context.gpu_view``, then
+    publish the attention metadata; leaves ``forward_mode`` at ``COMMIT``.
+
+    ``append_counts`` [P] and ``block_table_prefill`` [P, W] are the P requests in
+    active-row order; the inherited-block redirect reads the context's
+    ``request_matched_prefix_blocks`` at the active rows. ``total``
+    (``append_counts.sum()``) is accepted for upstream's signature; the library sums
+    the counts on the host.
+    """
+    meta = _library_metadata(self, "_mtp_setup_prefill_step", enabled=True)
+    rows = _active_rows(self)
+    shape = meta.setup_commit_pass(
+        self.gpu_view, append_counts, block_table_prefill,
+        start_positions=request_start_positions,
+        inherited_blocks=self.request_matched_prefix_blocks[rows],
+        padded_token_count=padded_token_count,
+        padded_request_count=padded_request_count)
+    max_seqlen = shape.max_seqlen_q
+    if shape.request_count and not shape.padded_token_count:
+        max_seqlen = 0  # upstream's read-back of all-zero lengths (ForwardShape floors at 1)
+    self._mtp_activate_attn_metadata(
+        graphed=False,
+        padded_request_count=shape.padded_request_count,
+        max_seqlen_q=max_seqlen,
+        max_seqlen_k=max_seqlen,
+        token_count=shape.token_count,
+        padded_token_count=shape.padded_token_count,
+    )
+
+
+_HELPERS = {
+    "_mtp_begin_decode": _mtp_begin_decode,
+    "_mtp_setup_decode_step": _mtp_setup_decode_step,
+    "_mtp_setup_prefill_step": _mtp_setup_prefill_step,
+}
+
+
+# ------------------------------------------------------------------ patch / unpatch
+def _upstream(name: str) -> Any:
+    """Import upstream's module ``name``; ImportError naming it when it is missing."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as err:
+        raise ImportError(
+            f"mtpmeta.integrations.megatron.patch() needs upstream's module {name} "
+            f"(megatron-core with the MTP draft-KV cache; released wheels up to 0.19.2 do "
+            f"not have it): {err}") from err
+
+
+def _require(owner: Any, name: str, where: str) -> Any:
+    value = getattr(owner, name, _MISSING)
+    if value is _MISSING:
+        raise ImportError(f"mtpmeta.integrations.megatron.patch() needs {where}.{name}, "
+                          f"which the installed megatron-core does not define")
+    return value
+
+
+def _check_signature(mixin: Any, name: str) -> None:
+    """Upstream's helper must take the replacement's parameters, in the same order."""
+    ours = list(inspect.signature(_HELPERS[name]).parameters)
+    theirs = list(inspect.signature(getattr(mixin, name)).parameters)
+    if theirs != ours:
+        raise ImportError(
+            f"mtpmeta.integrations.megatron.patch(): upstream's MTPContextMixin.{name} "
+            f"takes ({', '.join(theirs)}), the replacement ({', '.join(ours)}); the "
+            f"installed megatron-core's helpers differ, so nothing was patched")
+
+
+def _replace(owner: Any, name: str, value: Any) -> None:
+    _applied.append((owner, name, vars(owner).get(name, _MISSING)))
+    setattr(owner, name, value)
+
+
+def patch() -> None:
+    """Put upstream's engine on this library (module docstring); a second call does
+    nothing. Raises ``ImportError`` naming what is missing, patching nothing."""
+    if _applied:
+        return
+    metadata_module = _upstream(METADATA_MODULE)
+    mixin_module = _upstream(MIXIN_MODULE)
+    originals = {name: _require(metadata_module, name, METADATA_MODULE)
+                 for name in ("MTPMetadata", "MTPForwardMode")}
+    mixin = _require(mixin_module, "MTPContextMixin", MIXIN_MODULE)
+    for name in _HELPERS:
+        _require(mixin, name, f"{MIXIN_MODULE}.MTPContextMixin")
+        _check_signature(mixin, name)
+    ours = {"MTPMetadata": MTPMetadata, "MTPForwardMode": MTPForwardMode}
+    modules = [metadata_module] + [module for key, module in list(sys.modules.items())
+                                   if key.startswith("megatron.") and module is not None
+                                   and module is not metadata_module]
+    for module in modules:
+        for name, original in originals.items():
+            if vars(module).get(name, _MISSING) is original:
+                _replace(module, name, ours[name])
+    for name, helper in _HELPERS.items():
+        _replace(mixin, name, helper)
+
+
+def unpatch() -> None:
+    """Restore every original ``patch()`` replaced, object for object (a no-op when
+    not patched). A context built while patched keeps this library's ``MTPMetadata``:
+    build it again after ``unpatch()``."""
+    while _applied:
+        owner, name, original = _applied.pop()
+        if original is _MISSING:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, original)
+
+
+def is_patched() -> bool:
+    """Whether ``patch()`` is in effect."""
+    return bool(_applied)
