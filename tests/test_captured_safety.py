@@ -1,4 +1,4 @@
-"""The captured draft loop's safety rules (contract §12, issue 23 round 3): stream order,
+"""The captured draft loop's safety rules (contract §12): stream order,
 bounded pad-row positions, stale host offsets, recapture after ``allocate``, block ids
 checked at every host begin, and the device count a capture begin stages.
 
@@ -54,7 +54,7 @@ def _depths(meta: MTPMetadata, view: Any, count: int = DEPTHS) -> None:
         meta.advance_decode_step()
 
 
-# ------------------------------------------------------------------ F1: stream order
+# ------------------------------------------------------------------ stream order
 def _two_stream_steps(seed: int) -> Tuple[int, int]:
     """Six captured loops: ``begin_decode(capture_setup=True)`` on stream a, an eager
     captured depth and advance on stream b (a forward on b reads the view). Returns how
@@ -98,7 +98,7 @@ def _two_stream_steps(seed: int) -> Tuple[int, int]:
 @pytest.mark.cuda_sim
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_captured_route_is_ordered_after_a_begin_on_another_stream(seed):
-    """F1: run eagerly, the captured route enters the persistent buffers' stream order,
+    """Run eagerly, the captured route enters the persistent buffers' stream order,
     as the default route does: depths on stream b read what the begin on stream a
     staged, and the next begin on a waits for b's depth and advance (before, 5 or 6
     of 6 steps per seed read stale offsets, table and count)."""
@@ -110,7 +110,7 @@ def test_captured_route_is_ordered_after_a_begin_on_another_stream(seed):
 @SIM_SKIP
 @pytest.mark.cuda_sim
 def test_captured_route_inside_a_capture_records_no_stream_order():
-    """F1, inside a capture: after a begin on stream a, a captured depth, advance and
+    """Stream order inside a capture: after a begin on stream a, a captured depth, advance and
     length staging on the capture's side stream record their device ops only: no event
     is recorded or waited on (the order's switch count is unchanged), and nothing
     syncs."""
@@ -134,12 +134,12 @@ def test_captured_route_inside_a_capture_records_no_stream_order():
         assert len(graph.items) == DEPTH_OPS + 1 + 4
 
 
-# ------------------------------------------------------ F2: pad-row positions bounded
+# ------------------------------------------------------ pad-row positions bounded
 @SIM_SKIP
 @pytest.mark.cuda_sim
 @pytest.mark.parametrize("path", PATHS)
 def test_pad_row_positions_stay_zero_under_many_low_load_replays(path):
-    """F2: every replay advances offsets[:P], pad rows included, and a begin rewrites
+    """Every replay advances offsets[:P], pad rows included, and a begin rewrites
     only offsets[:n']. One busy step (n' = P near the table's end), then 20 steps with
     n' = 1 from position 0: after every replay the pad rows' token_to_pos_ids and
     token_to_position_in_request are 0 and their tokens go to D (before, they grew by
@@ -179,7 +179,7 @@ def test_pad_row_positions_stay_zero_under_many_low_load_replays(path):
 
 @pytest.mark.parametrize("path", PATHS)
 def test_eager_captured_depths_write_pad_row_positions_as_zero(path):
-    """F2, eagerly (the same device ops): pad rows whose offsets earlier loops advanced
+    """Pad-row positions, eagerly (the same device ops): pad rows whose offsets earlier loops advanced
     far get position 0 at every depth, block D and local 0; real rows are unchanged.
     Example: a loop with n = P from 20, then n = 1 from 5: pad offsets are 23.., yet
     pad positions are 0, real row 0 writes 5, 6, 7."""
@@ -199,7 +199,7 @@ def test_eager_captured_depths_write_pad_row_positions_as_zero(path):
         meta.advance_decode_step()
 
 
-# ------------------------------------------------------------ F3: stale host offsets
+# ------------------------------------------------------------ stale host offsets
 def _refused_all(meta: MTPMetadata, view: Any) -> None:
     """Every default-route draft call raises StaleOffsetsError and writes nothing."""
     before, before_view = buffer_state(meta), view_state(view)
@@ -217,7 +217,7 @@ def _refused_all(meta: MTPMetadata, view: Any) -> None:
                                  "host-run captured depths", "capture begin"])
 @pytest.mark.parametrize("path", PATHS)
 def test_default_route_after_a_captured_begin_refuses_stale_offsets(path, how):
-    """F3: a captured begin marks the host offsets stale whether or not host code runs
+    """A captured begin marks the host offsets stale whether or not host code runs
     its depths (a graph replay runs none): after end_forward and ``forward_mode =
     DRAFT`` by hand, setup_decode_step, advance_decode_step and stage_decode_lengths of
     the default route raise StaleOffsetsError and write nothing (before, only an
@@ -242,7 +242,7 @@ def test_default_route_after_a_captured_begin_refuses_stale_offsets(path, how):
 @SIM_SKIP
 @pytest.mark.cuda_sim
 def test_default_route_after_a_replay_is_refused():
-    """F3 in the production flow: captured begin, graph.replay(), end_forward, DRAFT by
+    """Stale host offsets in the production flow: captured begin, graph.replay(), end_forward, DRAFT by
     hand: a default-route depth would write the view from host offsets DEPTHS behind
     the device's; it is refused, and the view keeps what the replay wrote."""
     sim = CudaSim(8)
@@ -268,10 +268,10 @@ def test_default_route_after_a_replay_is_refused():
         assert sim.peek(meta.offsets)[:P].tolist() == [4, 5, 6, 7]
 
 
-# ------------------------------------------------------ F5: recapture after allocate()
+# ------------------------------------------------------ recapture after allocate()
 @pytest.mark.parametrize("path", PATHS)
 def test_captured_begin_after_reallocate_demands_a_recapture(path):
-    """F5: a graph captured at P holds the buffers' addresses; after deallocate() and
+    """A graph captured at P holds the buffers' addresses; after deallocate() and
     allocate() a captured begin at P is refused (ValueError naming the recapture,
     nothing written) until begin_decode_for_capture(P, capture_setup=True) runs on the
     new buffers. Other padded counts, and default-route begins, are not affected."""
@@ -294,7 +294,7 @@ def test_captured_begin_after_reallocate_demands_a_recapture(path):
     assert view.token_to_block_idx[:P].tolist() == [100, 106, D, D]
 
 
-# ------------------------------------------------- F6: ids at every host-input begin
+# ------------------------------------------------- ids at every host-input begin
 def _int16_view() -> Any:
     view = ContextGPUView(R, TOKENS, W, "cpu")
     view.token_to_block_idx = torch.zeros(TOKENS, dtype=torch.int16)
@@ -304,10 +304,10 @@ def _int16_view() -> Any:
 
 @pytest.mark.parametrize("path", PATHS)
 def test_default_begin_refuses_ids_a_captured_views_dtype_cannot_hold(path):
-    """F6: a graph holding the captured setup may replay after a default-route begin,
+    """A graph holding the captured setup may replay after a default-route begin,
     so once a captured depth ran on an int16 view, a default-route begin with block id
-    40000 (an int32 table holds it) is refused too, changing nothing (before, the
-    replay wrote -25536, another block). Before any captured depth the same begin is
+    40000 (an int32 table holds it) is refused too, changing nothing (accepted, the
+    replay would write -25536, another block). Before any captured depth the same begin is
     accepted, and a table that fits still is afterwards."""
     meta = make_metadata(path)
     view = _int16_view()

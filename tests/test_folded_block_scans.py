@@ -1,4 +1,4 @@
-"""issue 24 item 8: on the default route a standard step runs no separate block-id scan
+"""On the default route a standard step runs no separate block-id scan
 kernel: the draft depth's and the commit pass's written-block checks are part of their
 staging kernels (``native.staging.decode_step_maps`` / ``commit_pass``), which refuse
 before their first write (the refusals themselves: tests/test_bad_input.py,
