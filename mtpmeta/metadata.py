@@ -18,8 +18,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from mtpmeta.buffers.persistent import PersistentBuffers
 from mtpmeta.calls.allocation import Allocation
 from mtpmeta.calls.attributes import buffer_property, carry_key, field_property, public_doc
+from mtpmeta.calls.backend import Backend
 from mtpmeta.calls.carry import ChunkCarry
 from mtpmeta.calls.commit_pass import CommitPass
 from mtpmeta.calls.draft_loop import DraftLoop
@@ -112,9 +114,14 @@ class MTPMetadata:
         self.block_table_dtype = block_table_dtype
         self.hidden_size = hidden_size
         self.hidden_dtype = hidden_dtype
-        self._allocation: Optional[Allocation] = None  # born in allocate()
+        # The allocation (born in allocate()) and the parts this object reads itself,
+        # bound by _install; the kernel floor (mtpmeta.bench.floor) reads them too.
+        self._allocation: Optional[Allocation] = None
+        self._buffers: Optional[PersistentBuffers] = None
+        self._backend: Optional[Backend] = None
         self._rows = RowLifecycle(state)
         self._carry = ChunkCarry(state)
+        self._carry_state = self._carry.keys  # [3] int64, the same array for life
         self._draft = DraftLoop(state)
         self._commit = CommitPass(state)
         self._writers = ViewWriters(state)
@@ -185,8 +192,8 @@ class MTPMetadata:
     @property
     def device(self) -> Optional[torch.device]:
         """Device of the persistent buffers, or None when not allocated."""
-        allocation = self._allocation
-        return None if allocation is None else allocation.buffers.offsets.device
+        buffers = self._buffers
+        return None if buffers is None else buffers.offsets.device
 
     request_matched_prefix_blocks = buffer_property(
         "request_matched_prefix_blocks",
@@ -215,23 +222,17 @@ class MTPMetadata:
 
     def __repr__(self) -> str:
         state = "disabled" if not self.enabled else (
-            "unallocated" if self._allocation is None else
+            "unallocated" if self._buffers is None else
             f"{'mirror' if self.mirror else 'direct'} on {self.device}")
         return (f"MTPMetadata({state}, max_requests={self.max_requests}, "
                 f"max_kv_block_count={self.max_kv_block_count}, block_size_tokens="
                 f"{self.block_size_tokens}, forward_mode={self._state.mode.name})")
 
-    # Private handles on the allocation, for the kernel floor (``mtpmeta.bench.floor``)
-    # and white-box tests: None without an allocation.
-    _buffers = property(lambda self: self._part("buffers"))
-    _backend = property(lambda self: self._part("backend"))
-    _memo = property(lambda self: self._part("memo"))
-    _captured = property(lambda self: self._part("captured"))
-    _carry_state = property(lambda self: self._carry.keys)
-
-    def _part(self, name: str) -> Any:
-        allocation = self._allocation
-        return None if allocation is None else getattr(allocation, name)
+    # Handles on the allocation for white-box tests: None without one.
+    _memo = property(lambda self: None if self._allocation is None
+                     else self._allocation.memo)
+    _captured = property(lambda self: None if self._allocation is None
+                         else self._allocation.captured)
 
     def _target(self, gpu_view: Any) -> ViewTarget:
         """``gpu_view`` resolved for the backends (``mtpmeta.bench.floor`` reads it)."""
@@ -282,6 +283,8 @@ class MTPMetadata:
         Fresh buffers hold no draft loop: a re-allocate mid-forward must not leave
         DRAFT pointing at views of the dropped buffers (upstream's would)."""
         self._allocation = allocation
+        self._buffers = None if allocation is None else allocation.buffers
+        self._backend = None if allocation is None else allocation.backend
         for group in (self._rows, self._carry, self._draft, self._commit, self._writers):
             group.install(allocation)
         self._state.mode = _NONE

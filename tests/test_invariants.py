@@ -441,7 +441,7 @@ def _disabled_with_buffers(meta):
 
 
 def _unallocated_with_buffers(meta):
-    meta._allocation.backend = None  # corrupt: buffers without a backend
+    meta._backend = None  # corrupt: buffers without a backend
 
 
 @pytest.mark.parametrize("corrupt, message", [

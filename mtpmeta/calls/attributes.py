@@ -6,6 +6,7 @@ method that a group method carries out.
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Any, Callable, Optional
 
 from torch import Tensor
@@ -15,20 +16,18 @@ __all__ = ["field_property", "buffer_property", "carry_key", "public_doc"]
 
 def field_property(holder: str, name: str, doc: str) -> property:
     """A public attribute, readable and assignable, that is field ``name`` of the
-    object at attribute ``holder`` (``"_state"``, ``"_draft"``)."""
-    def get(self: Any) -> Any:
-        return getattr(getattr(self, holder), name)
-
+    object at attribute ``holder`` (``"_state"``, ``"_draft"``). The getter is
+    ``operator.attrgetter`` (no Python frame: a scheduler may read these every step)."""
     def set(self: Any, value: Any) -> None:
         setattr(getattr(self, holder), name, value)
-    return property(get, set, doc=doc)
+    return property(attrgetter(f"{holder}.{name}"), set, doc=doc)
 
 
 def buffer_property(name: str, doc: str) -> property:
-    """A read-only persistent buffer of the allocation: None without one."""
+    """A read-only persistent buffer (of ``self._buffers``): None without one."""
     def get(self: Any) -> Optional[Tensor]:
-        allocation = self._allocation
-        return None if allocation is None else getattr(allocation.buffers, name)
+        buffers = self._buffers
+        return None if buffers is None else getattr(buffers, name)
     return property(get, doc=doc)
 
 
