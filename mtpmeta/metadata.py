@@ -2,27 +2,38 @@
 routes the work to the direct backend (numba kernels writing CPU buffers in place) or
 the mirror backend (numba staging into pinned host memory, async copies, and a few
 CUDA-graph-safe torch ops on the device).
+
+Its calls are carried out by objects it holds, one group of calls each (``mtpmeta.calls``):
+``_rows`` (``RowLifecycle``), ``_carry`` (``ChunkCarry``), ``_draft`` (``DraftLoop``, with
+the captured route's ``CapturedLoop``), ``_commit`` (``CommitPass``) and ``_writers``
+(``ViewWriters``). They share one ``CallState`` (``_state``) and bind the parts of the
+current ``Allocation`` (``_allocation``) that they use; ``_install`` hands them a new one.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from mtpmeta.kernels import native
-from mtpmeta.validation.checks import (check_allocate, check_carry, check_commit_inputs, check_config,
-                     check_prefill_lengths, check_row_pair, check_take,
-                     raise_commit_block, raise_refused_row_pair)
-from mtpmeta.errors import CarryNotAllocatedError
-from mtpmeta.validation.inputs import as_row_indices, check_flag, raise_row_out_of_range
-from mtpmeta.calls.captured_loop import CapturedLoop
+from mtpmeta.buffers.persistent import PersistentBuffers
+from mtpmeta.calls.allocation import Allocation
+from mtpmeta.calls.attributes import buffer_property, carry_key, field_property, public_doc
+from mtpmeta.calls.backend import Backend
+from mtpmeta.calls.carry import ChunkCarry
+from mtpmeta.calls.commit_pass import CommitPass
 from mtpmeta.calls.draft_loop import DraftLoop
+from mtpmeta.calls.rows import RowLifecycle
+from mtpmeta.calls.state import CallState
 from mtpmeta.calls.writers import ViewWriters
-from mtpmeta.calls.state import MetadataState, carry_setter, install_debug_checks_from_env
-from mtpmeta.types import ForwardRecord, ForwardShape, MTPForwardMode
+from mtpmeta.debug.env import install_debug_checks_from_env
+from mtpmeta.errors import InvalidDtypeError
+from mtpmeta.gpu_view import ViewTarget
+from mtpmeta.types import ForwardShape, MTPForwardMode
+from mtpmeta.validation.config import check_allocate, check_config
+from mtpmeta.validation.inputs import check_flag
 
 __all__ = ["MTPMetadata"]
 
@@ -31,15 +42,10 @@ __all__ = ["MTPMetadata"]
 # device tensor is read back, one sync), or a boolean mask of length R. Ints lie in
 # [-R, R), as torch's.
 Indices = Union[slice, int, Sequence[int], np.ndarray, Tensor]
-_NONE, _COMMIT = MTPForwardMode.NONE, MTPForwardMode.COMMIT
-# Kernels the per-step methods call, bound once (a module attribute chain costs two
-# lookups per call on the hot path).
-_move_rows, _swap_rows, _reset_rows = (native.rows.move_rows, native.rows.swap_rows,
-                                       native.rows.reset_rows)
-_record_carry = native.carry.record
+_NONE = MTPForwardMode.NONE
 
 
-class MTPMetadata(MetadataState, CapturedLoop, DraftLoop, ViewWriters):
+class MTPMetadata:
     """MTP request annotations, chunk carry, and KV-cache forward buffers.
 
     A drop-in for upstream's pure-torch class (``core.inference.contexts.mtp_metadata``):
@@ -97,8 +103,8 @@ class MTPMetadata(MetadataState, CapturedLoop, DraftLoop, ViewWriters):
                  block_size_tokens: int, dummy_block_idx: int,
                  block_table_dtype: torch.dtype, hidden_size: int,
                  hidden_dtype: torch.dtype) -> None:
-        self.enabled = check_flag(enabled, "enabled")
-        if self.enabled:
+        state = self._state = CallState(check_flag(enabled, "enabled"))
+        if state.enabled:
             check_config(max_requests, max_kv_block_count, block_size_tokens,
                          dummy_block_idx, block_table_dtype, hidden_size, hidden_dtype)
         self.max_requests = max_requests
@@ -108,52 +114,129 @@ class MTPMetadata(MetadataState, CapturedLoop, DraftLoop, ViewWriters):
         self.block_table_dtype = block_table_dtype
         self.hidden_size = hidden_size
         self.hidden_dtype = hidden_dtype
+        # The allocation (born in allocate()) and the parts this object reads itself,
+        # bound by _install; the kernel floor (mtpmeta.bench.floor) reads them too.
+        self._allocation: Optional[Allocation] = None
+        self._buffers: Optional[PersistentBuffers] = None
+        self._backend: Optional[Backend] = None
+        self._rows = RowLifecycle(state)
+        self._carry = ChunkCarry(state)
+        self._carry_state = self._carry.keys  # [3] int64, the same array for life
+        self._draft = DraftLoop(state)
+        self._commit = CommitPass(state)
+        self._writers = ViewWriters(state)
 
-        self._forward_mode: MTPForwardMode = MTPForwardMode.NONE
-        self._inherited_copy: Optional[np.ndarray] = None
-        self.graphed: bool = False
-        self.active_request_count: int = 0
-        self.padded_count: int = 0
-        self.active_offsets: Optional[Tensor] = None  # offsets[:n] view
-        self.active_block_table: Optional[Tensor] = None  # block_table[:n] view
-        # The last view-writing call, for check_invariants (None before any).
-        self.last_forward: Optional[ForwardRecord] = None
-        # Annotation row of draft row 0 (the paused-row count when paused rows come
-        # first): draft row i belongs to request_matched_prefix_blocks[offset + i], for
-        # check_invariants; non-zero, it also refuses the whole buffer as inherited_blocks.
-        self.draft_annotation_offset: int = 0
-        self._init_state()  # the carry state and no allocation
+    # ----------------------------------------------------------------- attributes
+    # Fields of the shared CallState and of the draft loop, readable and assignable.
+    enabled = field_property(
+        "_state", "enabled",
+        "Whether MTP KV caching is active (the constructor's bool); when False the "
+        "object is inert.")
+    last_forward = field_property(
+        "_state", "last_forward",
+        "``ForwardRecord`` of the last view-writing call, read by ``check_invariants`` "
+        "(None before any).")
+    draft_annotation_offset = field_property(
+        "_state", "annotation_offset",
+        "int, default 0: draft row ``i`` belongs to annotation row "
+        "``draft_annotation_offset + i`` (the paused-row count when paused rows come "
+        "first).")
+    graphed = field_property(
+        "_draft", "graphed",
+        "bool, the ``graphed`` of the last ``begin_decode`` (True after "
+        "``begin_decode_for_capture``).")
+    active_request_count = field_property("_draft", "count",
+                                          "``n`` of the staged draft loop.")
+    padded_count = field_property(
+        "_draft", "padded", "The padded count of the staged draft loop (``>= n``).")
+    active_offsets = field_property(
+        "_draft", "offsets",
+        "``offsets[:n]``, a view of the persistent buffer (None before "
+        "``begin_decode``).")
+    active_block_table = field_property(
+        "_draft", "block_table",
+        "``block_table[:n]``, a view (None before ``begin_decode``).")
 
-    # ----------------------------------------------------------------- properties
-    request_matched_prefix_blocks = property(
-        lambda self: self._buffer("request_matched_prefix_blocks"),
-        doc="[R] int32 host: leading KV blocks each row inherited from the prefix cache. "
-            "None before allocate() and after deallocate() (contract §1), so an in-place "
-            "write then fails on None (a TypeError): call allocate(device) first, then "
-            "write the annotations again (allocate zeroes them); the row methods "
-            "(reset/move/swap_request_rows) raise NotAllocatedError saying so.")
-    offsets = property(lambda self: self._buffer("offsets"),
-                       doc="[R] int32 device: draft write position per request.")
-    block_table = property(lambda self: self._buffer("block_table"),
-                           doc="[R, W] block_table_dtype device: the draft loop's table.")
-    query_lengths = property(lambda self: self._buffer("query_lengths"),
-                             doc="[R] int32 device: MHA query-length staging.")
-    kv_lengths = property(lambda self: self._buffer("kv_lengths"),
-                          doc="[R] int32 device: MHA KV-length staging.")
-    row_ids = property(lambda self: self._buffer("row_ids"),
-                       doc="[R] int64 device: constant 0..R-1.")
-    chunk_boundary_hidden = property(lambda self: self._buffer("chunk_boundary_hidden"),
-                                     doc="[1, 1, hidden_size] device: the carried hidden.")
+    @property
+    def forward_mode(self) -> MTPForwardMode:
+        """Which MTP forward owns the attention metadata: ``NONE``, ``DRAFT`` (set by
+        ``begin_decode``) or ``COMMIT`` (set by ``setup_commit_pass``). Assignable, as
+        upstream's field, but only with an ``MTPForwardMode`` (a string such as
+        ``"draft"`` raises ``InvalidDtypeError``, a ``TypeError``)."""
+        return self._state.mode
 
-    chunk_boundary_valid = property(
-        lambda self: bool(self._carry_state[0]), carry_setter(0, lambda v: 1 if v else 0),
-        doc="Whether a chunk-boundary carry is live.")
-    chunk_boundary_req_id = property(
-        lambda self: int(self._carry_state[1]), carry_setter(1),
-        doc="Request id the carry belongs to (-1 when none).")
-    chunk_boundary_position = property(
-        lambda self: int(self._carry_state[2]), carry_setter(2),
-        doc="Prompt position the carried hidden was computed at (-1 when none).")
+    @forward_mode.setter
+    def forward_mode(self, value: MTPForwardMode) -> None:
+        if type(value) is not MTPForwardMode:
+            raise InvalidDtypeError(f"forward_mode: expected an MTPForwardMode (NONE, "
+                                    f"DRAFT or COMMIT), got {value!r} "
+                                    f"({type(value).__name__})")
+        self._state.mode = value
+
+    @property
+    def forward_active(self) -> bool:
+        """Whether any MTP forward currently owns the attention metadata."""
+        return self._state.mode is not _NONE
+
+    @property
+    def is_varlen_forward(self) -> bool:
+        """Whether the current MTP forward has ragged per-request query lengths."""
+        return self._state.mode is MTPForwardMode.COMMIT
+
+    @property
+    def mirror(self) -> Optional[bool]:
+        """Read-only: True on the mirror path, False on the direct path, None unallocated."""
+        backend = self._backend
+        return None if backend is None else backend.mirror
+
+    @property
+    def device(self) -> Optional[torch.device]:
+        """Device of the persistent buffers, or None when not allocated."""
+        buffers = self._buffers
+        return None if buffers is None else buffers.offsets.device
+
+    request_matched_prefix_blocks = buffer_property(
+        "request_matched_prefix_blocks",
+        "[R] int32 host: leading KV blocks each row inherited from the prefix cache. "
+        "None before allocate() and after deallocate() (contract §1), so an in-place "
+        "write then fails on None (a TypeError): call allocate(device) first, then "
+        "write the annotations again (allocate zeroes them); the row methods "
+        "(reset/move/swap_request_rows) raise NotAllocatedError saying so.")
+    offsets = buffer_property("offsets",
+                              "[R] int32 device: draft write position per request.")
+    block_table = buffer_property(
+        "block_table", "[R, W] block_table_dtype device: the draft loop's table.")
+    query_lengths = buffer_property("query_lengths",
+                                    "[R] int32 device: MHA query-length staging.")
+    kv_lengths = buffer_property("kv_lengths", "[R] int32 device: MHA KV-length staging.")
+    row_ids = buffer_property("row_ids", "[R] int64 device: constant 0..R-1.")
+    chunk_boundary_hidden = buffer_property(
+        "chunk_boundary_hidden", "[1, 1, hidden_size] device: the carried hidden.")
+
+    chunk_boundary_valid = carry_key(0, bool, lambda v: 1 if v else 0,
+                                     "Whether a chunk-boundary carry is live.")
+    chunk_boundary_req_id = carry_key(1, int, None,
+                                      "Request id the carry belongs to (-1 when none).")
+    chunk_boundary_position = carry_key(2, int, None, "Prompt position the carried hidden "
+                                        "was computed at (-1 when none).")
+
+    def __repr__(self) -> str:
+        state = "disabled" if not self.enabled else (
+            "unallocated" if self._buffers is None else
+            f"{'mirror' if self.mirror else 'direct'} on {self.device}")
+        return (f"MTPMetadata({state}, max_requests={self.max_requests}, "
+                f"max_kv_block_count={self.max_kv_block_count}, block_size_tokens="
+                f"{self.block_size_tokens}, forward_mode={self._state.mode.name})")
+
+    # Handles on the allocation for white-box tests: None without one.
+    _memo = property(lambda self: None if self._allocation is None
+                     else self._allocation.memo)
+    _captured = property(lambda self: None if self._allocation is None
+                         else self._allocation.captured)
+
+    def _target(self, gpu_view: Any) -> ViewTarget:
+        """``gpu_view`` resolved for the backends (``mtpmeta.bench.floor`` reads it)."""
+        return self._allocation.memo.target(gpu_view)
 
     # ------------------------------------------------------------------ lifecycle
     def allocate(self, device: Union[torch.device, str], *,
@@ -182,194 +265,120 @@ class MTPMetadata(MetadataState, CapturedLoop, DraftLoop, ViewWriters):
         if not self.enabled:
             return
         device, mirror = check_allocate(device, mirror, max_tokens, staging_slots)
-        self._install(*self._allocation(device, mirror, max_tokens, staging_slots))
+        self._install(Allocation.create(
+            max_requests=self.max_requests, max_kv_block_count=self.max_kv_block_count,
+            block_size_tokens=self.block_size_tokens, dummy_block_idx=self.dummy_block_idx,
+            block_table_dtype=self.block_table_dtype, hidden_size=self.hidden_size,
+            hidden_dtype=self.hidden_dtype, device=device, mirror=mirror,
+            max_tokens=max_tokens, staging_slots=staging_slots))
 
     def deallocate(self) -> None:
         """Release every buffer, mirroring ``allocate`` (the suspend path). A CUDA graph
         holding a captured draft-loop setup (``capture_setup=True``) keeps the released
         buffers' addresses: recapture it after the next ``allocate``."""
-        self._install(None, None, None)
+        self._install(None)
+
+    def _install(self, allocation: Optional[Allocation]) -> None:
+        """Swap in an allocation (or none), with no draft loop, forward or carry.
+        Fresh buffers hold no draft loop: a re-allocate mid-forward must not leave
+        DRAFT pointing at views of the dropped buffers (upstream's would)."""
+        if self._backend is not None:  # after every queued use (buffers.lifecycle)
+            self._backend.lifecycle.retire()
+        self._allocation = allocation
+        self._buffers = None if allocation is None else allocation.buffers
+        self._backend = None if allocation is None else allocation.backend
+        for group in (self._rows, self._carry, self._draft, self._commit, self._writers):
+            group.install(allocation)
+        self._state.mode = _NONE
+        self._state.last_forward = None
+        if allocation is not None:  # initialised before any stream's use
+            allocation.backend.lifecycle.born()
 
     # -------------------------------------------------------------- row lifecycle
+    @public_doc(RowLifecycle.reset)
     def reset_request_rows(self, request_indexes: Indices = slice(None)) -> None:
-        """Clear annotations of released/reused rows: ``x[request_indexes] = 0``.
+        self._rows.reset(request_indexes)
 
-        Takes a slice, an int, a sequence, a numpy array, a tensor (a device tensor is
-        read back, one sync) or a boolean mask. No-op when disabled.
-        """
-        if not self.enabled:
-            return
-        buffers = self._buffers
-        if buffers is None:
-            self._require("reset_request_rows")
-        rows = as_row_indices(request_indexes, self.max_requests, "request_indexes")
-        if type(rows) is slice:
-            buffers.annotations[rows] = 0
-            return
-        bad = _reset_rows(buffers.annotations, rows)
-        if bad >= 0:  # refused before any write
-            raise_row_out_of_range(rows, bad, self.max_requests, "request_indexes")
-
+    @public_doc(RowLifecycle.move)
     def move_request_rows(self, src_idxs: Indices, dst_idxs: Indices) -> None:
-        """``x[dst] = x[src]``: every source is read before any destination is written,
-        so overlapping ranges are safe; sources keep their values. No-op when disabled."""
-        if not self.enabled:
-            return
-        buffers = self._buffers
-        if buffers is None:
-            self._require("move_request_rows")
-        src, dst = check_row_pair(self._geometry, "move_request_rows", src_idxs, dst_idxs)
-        scratch = buffers.row_scratch
-        if len(src) > len(scratch):
-            scratch = self._row_scratch(len(src))
-        bad = _move_rows(buffers.annotations, src, dst, scratch)
-        if bad >= 0:  # refused before any write
-            raise_refused_row_pair(self._geometry, src, dst, bad)
+        self._rows.move(src_idxs, dst_idxs)
 
+    @public_doc(RowLifecycle.swap)
     def swap_request_rows(self, src_idxs: Indices, dst_idxs: Indices) -> None:
-        """Swap annotations: both sides read first, then ``x[dst] = old[src]``, then
-        ``x[src] = old[dst]`` (an index on both sides keeps the second assignment).
-        No-op when disabled."""
-        if not self.enabled:
-            return
-        buffers = self._buffers
-        if buffers is None:
-            self._require("swap_request_rows")
-        src, dst = check_row_pair(self._geometry, "swap_request_rows", src_idxs, dst_idxs)
-        scratch = buffers.row_scratch
-        if 2 * len(src) > len(scratch):
-            scratch = self._row_scratch(2 * len(src))
-        bad = _swap_rows(buffers.annotations, src, dst, scratch)
-        if bad >= 0:  # refused before any write
-            raise_refused_row_pair(self._geometry, src, dst, bad)
+        self._rows.swap(src_idxs, dst_idxs)
 
     # --------------------------------------------------------------- chunk carry
+    @public_doc(ChunkCarry.invalidate)
     def invalidate_chunk_boundary(self) -> None:
-        """Drop the carry: invalid, keys -1. The hidden buffer keeps its address."""
-        native.carry.invalidate(self._carry_state)
+        self._carry.invalidate()
 
+    @public_doc(ChunkCarry.carry)
     def carry_chunk_boundary(self, hidden: Tensor, req_id: int, position: int) -> None:
-        """Copy ``hidden`` (any shape with ``hidden_size`` elements) into the persistent
-        carry and record ``(req_id, position)``. No-op when disabled.
+        self._carry.carry(hidden, req_id, position)
 
-        Only a chunk whose seam is exactly ``position`` (``off == position + 1``) may
-        take it. A host ``hidden`` on the mirror path is copied host-to-device.
-        """
-        if not self.enabled:
-            return
-        if self._buffers is None:
-            self._require("carry_chunk_boundary")
-        source, req_id, position = check_carry(self._geometry, hidden, req_id, position)
-        self._backend.carry_hidden(source)
-        _record_carry(self._carry_state, req_id, position)
-
+    @public_doc(ChunkCarry.take)
     def take_chunk_boundary(self, req_id: int, seam_position: int) -> Tensor:
-        """Return the ``[1, 1, hidden_size]`` carried hidden for this seam.
-
-        Raises ``ChunkCarryError`` (an ``AssertionError``, raised explicitly so it holds
-        under ``python -O``) when no carry is live, when it belongs to another request,
-        or when it sits at another position than ``seam_position``.
-        """
-        if self.enabled and self._buffers is None:
-            raise CarryNotAllocatedError(
-                f"take_chunk_boundary: buffers are not allocated (call allocate(device) "
-                f"first), so no chunk-boundary carry is live for request {req_id}")
-        check_take(self._carry_state, req_id, seam_position)
-        order = None if self._backend is None else self._backend.stream_order
-        if order is not None:  # the caller's reads follow the carry's copy
-            order.enter_unless_capturing()
-        return self._buffers.chunk_boundary_hidden
+        return self._carry.take(req_id, seam_position)
 
     # ---------------------------------------------------------------- draft loop
-    # (its begins, depths and advance are the ``DraftLoop`` mixin, ``draft_loop.py``)
+    @public_doc(DraftLoop.begin)
+    def begin_decode(self, active_request_count: int, padded_count: int,
+                     start_positions: Tensor, block_table_src: Tensor,
+                     graphed: bool, *, capture_setup: bool = False,
+                     block_counts: Optional[Tensor] = None) -> None:
+        self._draft.begin(active_request_count, padded_count, start_positions,
+                          block_table_src, graphed, capture_setup, block_counts)
+
+    @public_doc(DraftLoop.begin_for_capture)
+    def begin_decode_for_capture(self, padded_count: int, *,
+                                 capture_setup: bool = False) -> None:
+        self._draft.begin_for_capture(padded_count, capture_setup)
+
+    @public_doc(DraftLoop.advance)
+    def advance_decode_step(self) -> None:
+        self._draft.advance()
+
+    @public_doc(DraftLoop.stage_lengths)
+    def stage_decode_lengths(self) -> Tuple[Tensor, Tensor]:
+        return self._draft.stage_lengths()
+
+    @public_doc(DraftLoop.step)
+    def setup_decode_step(self, gpu_view: Any) -> ForwardShape:
+        return self._draft.step(gpu_view)
+
+    @public_doc(DraftLoop.end)
     def end_forward(self) -> None:
-        """Leave MTP-forward mode; no buffer changes. A captured draft loop
-        (``capture_setup=True``) ends here too: after it, default-route draft calls
-        need a new ``begin_decode`` (``StaleOffsetsError``)."""
-        self._forward_mode = _NONE
-        self._capture_setup = False
+        self._draft.end()
 
     # --------------------------------------------------------------- commit pass
+    @public_doc(CommitPass.stage_prefill_lengths)
     def stage_prefill_lengths(self, append_counts: Tensor, pad_tokens: int) -> Tensor:
-        """Stage a varlen commit pass's lengths, absorbing ``pad_tokens`` TP pad rows.
+        return self._commit.stage_prefill_lengths(append_counts, pad_tokens)
 
-        ``P = len(append_counts)``. The returned view of ``query_lengths`` is
-        ``P + 1`` long when ``pad_tokens > 0 and P < R`` (the pad rows get their own
-        trailing request), else ``P`` long (a full batch grows its last entry).
-        Example: ``[3, 2]``, pad 3 -> ``[3, 2, 3]``; with R = 2 -> ``[3, 5]``.
-
-        One buffer serves as query and KV lengths (a fresh causal prefill), so the
-        pass's attention output is a request's true attention only for a span that
-        starts at position 0; a span starting later populates KV, and its output is
-        not meaningful (a token at ``start + j`` attends over positions ``0..j``).
-        """
-        backend = self._require("stage_prefill_lengths")
-        counts, pad, on_device = check_prefill_lengths(self._geometry, append_counts,
-                                                       pad_tokens)
-        staged = (backend.stage_prefill_lengths_device if on_device
-                  else backend.stage_prefill_lengths)(counts, pad)
-        return self._memo.prefill_view(staged)
-
+    @public_doc(CommitPass.setup)
     def setup_commit_pass(self, gpu_view: Any, append_counts: Tensor, block_table: Tensor,
                           *, start_positions: Optional[Tensor] = None,
                           inherited_blocks: Optional[Tensor] = None,
                           padded_token_count: Optional[int] = None,
                           padded_request_count: Optional[int] = None,
                           block_counts: Optional[Tensor] = None) -> ForwardShape:
-        """The whole varlen commit pass in one call; sets ``forward_mode = COMMIT``.
+        return self._commit.setup(gpu_view, append_counts, block_table, start_positions,
+                                  inherited_blocks, padded_token_count,
+                                  padded_request_count, block_counts)
 
-        Request ``r`` (row ``r`` of ``block_table``) writes ``append_counts[r]``
-        consecutive positions from ``start_positions[r]`` (0 when None). Token maps with
-        the inherited-block redirect, padded to ``padded_token_count`` (default: the
-        total ``T``); ``stage_prefill_lengths`` with ``pad = padded_token_count - T``; MHA
-        metadata over ``max(padded_request_count or P, staged)`` slots with one length
-        buffer for query and KV.
+    # ---------------------------------------------------------- destination view
+    @public_doc(ViewWriters.write_token_maps)
+    def write_token_maps(self, gpu_view: Any, rows: Tensor, positions: Tensor,
+                         block_table: Tensor, padded_token_count: int,
+                         inherited_blocks: Optional[Tensor] = None) -> None:
+        self._writers.write_token_maps(gpu_view, rows, positions, block_table,
+                                       padded_token_count, inherited_blocks)
 
-        append_counts: int [P]; block_table: int [>= P, view width]; start_positions,
-        inherited_blocks: int [>= P]. Host inputs are checked in full and cost no sync;
-        device tensors are read back to the host with one ``.cpu()`` each, one sync
-        each: ``append_counts``, ``block_table``, ``start_positions`` and
-        ``inherited_blocks`` (their values decide the staging and the returned shape).
-        Keep them on the host to keep the commit pass free of syncs.
-        ``inherited_blocks`` is per commit-pass request: the ACTIVE slice of the
-        annotations (``request_matched_prefix_blocks[paused:total]``), never the whole
-        array, which with paused rows redirects the wrong requests (refused, a
-        ``ValueError``, when ``draft_annotation_offset`` is non-zero); its counts lie in
-        ``[0, max_kv_block_count]`` and are copied for ``check_invariants`` at the call.
-        Block ids: the rows ``block_table[:P]`` must fit ``gpu_view.mha_block_table``,
-        and every block a token writes (not redirected) must be ``>= 0`` and fit
-        ``gpu_view.token_to_block_idx``; refused before anything is written.
-
-        Attention output: KV length equals query length (a fresh causal prefill), so
-        it is meaningful only for spans starting at position 0; later spans populate
-        KV. ``ForwardShape.max_seqlen_q == max_seqlen_k`` is the largest staged length
-        (at least 1). When ``P == R`` and there is token padding, request ``P - 1``
-        absorbs the pad rows and its KV span runs past what it writes: its
-        ``mha_block_table`` columns that lie wholly at or past ``start + count`` point at
-        the dummy block (upstream copies the caller's row, -1 entries included).
-        Example: BS 4, R 2, counts [3, 3], tables [[0, -1], [1, -1]], 8 tokens ->
-        lengths [3, 5], request 1 reads row [1, D]. ``block_counts``: opt-in, contract §5.
-        """
-        backend = self._backend or self._require("setup_commit_pass")
-        self._refuse_whole_annotations("setup_commit_pass", inherited_blocks)
-        target = self._memo.target(gpu_view)
-        (counts, starts, table, inherited, total, padded_tokens, pad, min_padded,
-         padded_requests, used) = check_commit_inputs(
-            self._geometry, target, append_counts, block_table, start_positions,
-            inherited_blocks, padded_token_count, padded_request_count, block_counts)
-        refused, staged, padded_requests, max_len = backend.commit_pass(
-            target, counts, starts, table, inherited, padded_tokens, pad, min_padded,
-            padded_requests, used)
-        if refused < 0:  # a bad written block or inherited count: nothing written
-            raise_commit_block(self._geometry, target, -refused, staged, padded_requests,
-                               counts, starts, table, inherited)
-        self._forward_mode, total = _COMMIT, int(total)
-        self.last_forward = ForwardRecord("commit", gpu_view, total, padded_tokens,
-                                          staged, padded_requests,
-                                          self._record_inherited(inherited))
-        max_len = int(max_len) if max_len > 1 else 1  # upstream floors an empty one at 1
-        return self._memo.shape(total, padded_tokens, staged, padded_requests, max_len,
-                                max_len)
+    @public_doc(ViewWriters.write_mha_metadata)
+    def write_mha_metadata(self, gpu_view: Any, query_lengths: Tensor, kv_lengths: Tensor,
+                           block_table: Tensor, padded_request_count: int) -> None:
+        self._writers.write_mha_metadata(gpu_view, query_lengths, kv_lengths,
+                                         block_table, padded_request_count)
 
     # ----------------------------------------------------------------- debugging
     def check_invariants(self, gpu_view: Any = None) -> None:
@@ -387,6 +396,5 @@ class MTPMetadata(MetadataState, CapturedLoop, DraftLoop, ViewWriters):
 
         check_invariants(self, gpu_view)
 
-# --- debug checks (mtpmeta.debug.invariants) ---
+
 install_debug_checks_from_env(MTPMetadata)  # MTPMETA_DEBUG=1 wraps the public methods
-# --- end debug checks (mtpmeta.debug.invariants) ---

@@ -110,7 +110,7 @@ def test_captured_route_is_ordered_after_a_begin_on_another_stream(seed):
 @SIM_SKIP
 @pytest.mark.cuda_sim
 def test_captured_route_inside_a_capture_records_no_stream_order():
-    """Inside a capture: after a begin on stream a, a captured depth, advance and
+    """Stream order inside a capture: after a begin on stream a, a captured depth, advance and
     length staging on the capture's side stream record their device ops only: no event
     is recorded or waited on (the order's switch count is unchanged), and nothing
     syncs."""
@@ -179,7 +179,7 @@ def test_pad_row_positions_stay_zero_under_many_low_load_replays(path):
 
 @pytest.mark.parametrize("path", PATHS)
 def test_eager_captured_depths_write_pad_row_positions_as_zero(path):
-    """Eagerly (the same device ops): pad rows whose offsets earlier loops advanced
+    """Pad-row positions, eagerly (the same device ops): pad rows whose offsets earlier loops advanced
     far get position 0 at every depth, block D and local 0; real rows are unchanged.
     Example: a loop with n = P from 20, then n = 1 from 5: pad offsets are 23.., yet
     pad positions are 0, real row 0 writes 5, 6, 7."""
@@ -242,7 +242,7 @@ def test_default_route_after_a_captured_begin_refuses_stale_offsets(path, how):
 @SIM_SKIP
 @pytest.mark.cuda_sim
 def test_default_route_after_a_replay_is_refused():
-    """In the production flow: captured begin, graph.replay(), end_forward, DRAFT by
+    """Stale host offsets in the production flow: captured begin, graph.replay(), end_forward, DRAFT by
     hand: a default-route depth would write the view from host offsets DEPTHS behind
     the device's; it is refused, and the view keeps what the replay wrote."""
     sim = CudaSim(8)

@@ -305,7 +305,7 @@ def test_draft_rows_read_the_annotations_of_the_declared_offset(path):
 
 
 def _commit_then_draft(meta, view, starts):
-    """A scheduler with row 0 paused, rows 1 and 2 active. The commit pass writes
+    """A scheduler with paused rows first: row 0 paused, rows 1 and 2 active. The commit pass writes
     request 0 (TABLE[1]) positions 0..5 and request 1 (TABLE[2]) 3..6, the pass is
     checked, then a three-deep draft loop from ``starts``; every depth is checked."""
     meta.draft_annotation_offset = 1
@@ -323,7 +323,7 @@ def _commit_then_draft(meta, view, starts):
 def test_a_draft_loop_never_overwrites_what_the_commit_pass_before_it_wrote(path):
     """begin_decode given the per-row start positions [2, 6, 7] (row 0 is paused)
     instead of the active requests' start + count [6, 7]: request 0 drafts at 2, into
-    block 6 local 2 that the pass just committed, which nothing else reports. The
+    block 6 local 2 that the pass just committed, which the check reports. The
     correct starts pass, and so does a loop begun after another view-writing call (only
     the loop right after the pass is compared with it)."""
     meta, view = _checked_meta(path)

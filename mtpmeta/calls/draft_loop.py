@@ -1,24 +1,30 @@
-"""``MTPMetadata``'s draft loop (contract §5): ``begin_decode`` and
-``begin_decode_for_capture`` stage it; ``setup_decode_step``, ``stage_decode_lengths``
-and ``advance_decode_step`` run each depth. A mixin of ``MTPMetadata``
-(``mtpmeta.metadata``): each validates at the boundary (``mtpmeta.validation.checks``), then hands
-the work to the backend, or a loop begun with ``capture_setup=True`` to ``CapturedLoop``
-(``mtpmeta.calls.captured_loop``). The invariant: a depth runs only in DRAFT (a
-``ForwardModeError`` otherwise, nothing changed), a refusal comes before any write, and
-the loop allocates nothing and reads nothing back from the device.
+"""``DraftLoop``: ``MTPMetadata``'s draft loop (contract §5). ``begin`` and
+``begin_for_capture`` stage it; ``step``, ``stage_lengths`` and ``advance`` run each
+depth; ``end`` closes it.
+
+Each call validates at the boundary (``mtpmeta.validation.checks``), then hands the work
+to the backend, or, in a loop begun with ``capture_setup=True``, to ``CapturedLoop``
+(``mtpmeta.calls.captured_loop``) and the allocation's ``CapturedRoute``. The invariant:
+a depth runs only in DRAFT (a ``ForwardModeError`` otherwise, nothing changed), a
+refusal comes before any write, and the loop allocates nothing and reads nothing back
+from the device.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, NoReturn, Optional, Tuple
 
 from torch import Tensor
 
-from mtpmeta.validation.checks import (check_begin_decode, check_decode_counts, check_decode_view,
-                     check_draft_blocks, raise_draft_block, raise_position_error)
+from mtpmeta.calls.allocation import Allocation
+from mtpmeta.calls.captured_loop import CapturedLoop, raise_stale
+from mtpmeta.calls.state import CallState, raise_unavailable
 from mtpmeta.errors import ForwardModeError, MTPDisabledError
-from mtpmeta.validation.inputs import check_flag
 from mtpmeta.types import ForwardRecord, ForwardShape, MTPForwardMode
+from mtpmeta.validation.checks import (check_begin_decode, check_decode_counts,
+                                       check_decode_view, check_draft_blocks,
+                                       raise_draft_block, raise_position_error)
+from mtpmeta.validation.inputs import check_flag
 
 __all__ = ["DraftLoop"]
 
@@ -26,12 +32,66 @@ _DRAFT = MTPForwardMode.DRAFT  # bound once: an enum member lookup costs about 1
 
 
 class DraftLoop:
-    """The draft-loop half of ``MTPMetadata`` (see the module docstring)."""
+    """The staged draft loop and the calls that run it.
 
-    def begin_decode(self, active_request_count: int, padded_count: int,
-                     start_positions: Tensor, block_table_src: Tensor,
-                     graphed: bool, *, capture_setup: bool = False,
-                     block_counts: Optional[Tensor] = None) -> None:
+    Fields of the loop (public as ``MTPMetadata``'s ``active_request_count``,
+    ``padded_count``, ``graphed``, ``active_offsets``, ``active_block_table``):
+    ``count`` (``n``), ``padded`` (``p >= n``), ``graphed`` (bool), ``offsets``
+    (``offsets[:n]``, ``[n]`` int32) and ``block_table`` (``block_table[:n]``, ``[n,
+    W]``), views of the persistent buffers (None before a begin on this allocation),
+    ``lengths`` (``(query_lengths[:n], kv_lengths[:n])``); for ``check_invariants``:
+    ``record`` (the ``ForwardRecord`` the loop's depths share), ``loop_after`` (the
+    ``last_forward`` when the loop began) and ``unchecked_table`` (``(device
+    block_table_src, n)`` of a device-route begin, until the next check compares the
+    buffer with it). Two flags: ``capture_setup`` (this loop takes the captured route;
+    set by a ``capture_setup=True`` begin, cleared by any other begin and by ``end``)
+    and ``offsets_stale`` (set by every ``capture_setup`` begin, cleared by any other
+    begin: a graph replay may advance the offsets with no host code, so from that begin
+    on the host copy of the offsets is not the truth).
+
+    Binds the allocation's backend, ``Geometry``, ``ForwardMemo`` (and its ``active``
+    and ``shapes`` caches) and ``CapturedRoute``; ``captured`` is the captured route's
+    ``CapturedLoop``.
+    """
+
+    __slots__ = ("_state", "captured", "count", "padded", "graphed", "offsets",
+                 "block_table", "lengths", "record", "loop_after", "unchecked_table",
+                 "capture_setup", "offsets_stale", "_backend", "_geometry", "_memo",
+                 "_active", "_shapes", "_route", "_table_range", "_width", "_bound_k")
+
+    def __init__(self, state: CallState) -> None:
+        self._state = state
+        self.captured = CapturedLoop()
+        self.count = self.padded = 0
+        self.graphed = False
+        self.record: Optional[ForwardRecord] = None
+        self.loop_after: Optional[ForwardRecord] = None
+        self.install(None)
+
+    def install(self, allocation: Optional[Allocation]) -> None:
+        """Bind ``allocation`` (None: no buffers) with no loop staged on it."""
+        self.captured.install(allocation)
+        self.offsets = self.block_table = self.lengths = self.unchecked_table = None
+        self.capture_setup = self.offsets_stale = False
+        if allocation is None:
+            self._backend = self._geometry = self._memo = self._active = None
+            self._shapes = self._route = self._table_range = None
+            self._width = self._bound_k = 0
+            return
+        geometry = self._geometry = allocation.geometry
+        self._backend = allocation.backend
+        self._memo = allocation.memo
+        self._active = allocation.memo.active
+        self._shapes = allocation.memo.shapes
+        self._route = allocation.captured
+        self._table_range = geometry.table_range
+        self._width = geometry.max_kv_block_count
+        # a graphed depth's max_seqlen_k: the capture-time bound
+        self._bound_k = geometry.max_kv_block_count * geometry.block_size_tokens
+
+    def begin(self, active_request_count: Any, padded_count: Any, start_positions: Any,
+              block_table_src: Any, graphed: Any, capture_setup: bool,
+              block_counts: Any) -> None:
         """Stage the draft loop: copy (never alias) ``start_positions[:n]`` into
         ``offsets[:n]`` and ``block_table_src[:n]`` into ``block_table[:n]``; enter DRAFT.
 
@@ -63,51 +123,103 @@ class DraftLoop:
         """
         backend = self._backend
         if backend is None:
-            backend = self._require("begin_decode")
+            raise_unavailable(self._state, "begin_decode")
         if type(graphed) is not bool:
             graphed = check_flag(graphed, "graphed")
         geometry = self._geometry
         count, padded, starts, table, on_device, used = check_begin_decode(
             geometry, active_request_count, padded_count, start_positions,
             block_table_src, block_counts)
-        after = self.last_forward  # for check_invariants: the forward before the loop
+        state = self._state
+        after = state.last_forward  # for check_invariants: the forward before the loop
         if capture_setup:
-            self._begin_captured(backend, count, padded, starts, table, on_device, used)
-            self._unchecked_table = None
-            self._loop_after = after
+            self.captured.begin(count, padded, starts, table, on_device, used)
+            self._enter(count, padded, True)
+            self.capture_setup = self.offsets_stale = True  # a replay runs no host code
+            self.unchecked_table = None
+            self.loop_after = after
             return
         if on_device:
             backend.begin_decode_device(count, starts, table, padded)
-            self._unchecked_table = (table, count)  # for check_invariants only
+            self.unchecked_table = (table, count)  # for check_invariants only
         else:
-            if self._captured_ids != geometry.table_range:  # a graph may replay after
-                self._check_begin_ids(table, count, used)  # this begin: ids views hold
+            captured = self.captured
+            if captured.ids != self._table_range:  # a graph may replay after this
+                captured.check_begin_ids(table, count, used)  # begin: ids views hold
             if not backend.begin_decode(count, starts, table, used):  # bad start: no write
                 raise_position_error(geometry, "start_positions", starts, count)
-            self._unchecked_table = None
-        self._enter_checked(count, padded, graphed)
-        self._loop_after = after
+            self.unchecked_table = None
+        views = self._active.get(count)  # _enter, inlined: every step begins a loop
+        if views is None:  # views of the fixed buffers, built once per count
+            views = self._memo.add_active(count)
+        self.count = count
+        self.padded = padded
+        self.offsets, self.block_table, self.lengths = views
+        self.graphed = graphed
+        state.mode = _DRAFT
+        self.record = None  # a new draft loop: its first depth makes a record
+        self.capture_setup = self.offsets_stale = False
+        self.loop_after = after
 
-    def begin_decode_for_capture(self, padded_count: int, *,
-                                 capture_setup: bool = False) -> None:
+    def begin_for_capture(self, padded_count: Any, capture_setup: bool) -> None:
         """Scratch-only draft state for CUDA-graph capture: ``offsets[:p] = 0``,
         ``block_table[:p] = D``, then DRAFT with ``n = p`` and ``graphed=True``.
 
         ``capture_setup=True``: the loop's setup calls are device ops only, to be
         captured with the forward (contract §12); a replay without a fresh ``begin_decode``
         continues from wherever the last one left the device offsets."""
-        if not self.enabled:
+        if not self._state.enabled:
             raise MTPDisabledError("begin_decode_for_capture: MTP KV caching is disabled "
                                    "(enabled=False)")
-        backend = self._require("begin_decode_for_capture")
+        backend = self._backend
+        if backend is None:
+            raise_unavailable(self._state, "begin_decode_for_capture")
         _, padded = check_decode_counts(self._geometry, 0, padded_count)
         backend.begin_decode_for_capture(padded)
-        self._unchecked_table = None
-        if capture_setup:
-            return self._begin_captured_for_capture(padded)
-        self._enter_checked(padded, padded, True)
+        self.unchecked_table = None
+        self._enter(padded, padded, True)
+        if capture_setup:  # every one of the p rows is real for the device too
+            self.capture_setup = self.offsets_stale = True
+            self.captured.prepare(padded)
 
-    def advance_decode_step(self) -> None:
+    def _enter(self, count: int, padded: int, graphed: bool) -> None:
+        """Enter DRAFT at validated counts with the active views (views of the fixed
+        buffers); the default route, until the caller sets the captured flags."""
+        views = self._active.get(count)
+        if views is None:
+            views = self._memo.add_active(count)
+        self.count = count
+        self.padded = padded
+        self.offsets, self.block_table, self.lengths = views
+        self.graphed = graphed
+        self._state.mode = _DRAFT
+        self.record = None
+        self.loop_after = None
+        self.capture_setup = self.offsets_stale = False
+
+    def end(self) -> None:
+        """Leave MTP-forward mode; no buffer changes. A captured draft loop
+        (``capture_setup=True``) ends here too: after it, default-route draft calls
+        need a new ``begin_decode`` (``StaleOffsetsError``)."""
+        self._state.mode = MTPForwardMode.NONE
+        self.capture_setup = False
+
+    def _require_loop(self, method: str) -> Any:
+        """The backend, when a draft loop is staged and in DRAFT; else the error."""
+        backend = self._backend
+        if backend is None:
+            raise_unavailable(self._state, method)
+        if self.offsets is None:
+            raise ForwardModeError(f"{method}: no draft loop is staged; call begin_decode "
+                                   "first")
+        mode = self._state.mode
+        if mode is not _DRAFT:
+            raise ForwardModeError(f"{method}: forward_mode is {mode.name}, expected DRAFT "
+                                   "(the draft loop ended; call begin_decode to start a "
+                                   "new one)")
+        return backend
+
+    def advance(self) -> None:
         """Advance every active request's write position by one, in place (device
         buffer and host copy alike). Needs DRAFT (``ForwardModeError`` after
         ``end_forward`` or in COMMIT, changing nothing); the last depth's advance may
@@ -115,32 +227,32 @@ class DraftLoop:
         (``capture_setup=True``): one device add over the ``padded_count`` rows, legal
         inside a capture."""
         backend = self._backend
-        if backend is None or self._forward_mode is not _DRAFT:
-            backend = self._require_draft_views("advance_decode_step")
-        if self._capture_setup:
-            return self._captured_advance()
-        if self._offsets_stale:
-            self._refuse_stale("advance_decode_step")
-        backend.advance_decode_step(self.active_request_count)
+        if backend is None or self._state.mode is not _DRAFT:
+            backend = self._require_loop("advance_decode_step")
+        if self.capture_setup:  # one device add over the padded rows
+            return self._route.advance_decode_step(self.padded)
+        if self.offsets_stale:
+            raise_stale("advance_decode_step")
+        backend.advance_decode_step(self.count)
 
-    def stage_decode_lengths(self) -> Tuple[Tensor, Tensor]:
+    def stage_lengths(self) -> Tuple[Tensor, Tensor]:
         """Stage one draft depth's MHA lengths: query 1, KV ``active_offsets + 1``.
 
         Returns views of ``query_lengths[:n]`` and ``kv_lengths[:n]``. Needs DRAFT
         (``ForwardModeError`` otherwise, changing nothing).
         """
         backend = self._backend
-        if backend is None or self._forward_mode is not _DRAFT:
-            backend = self._require_draft_views("stage_decode_lengths")
-        if self._capture_setup:  # device ops over padded_count rows, pad rows 0
-            self._captured_lengths()
-            return self._active_lengths
-        if self._offsets_stale:
-            self._refuse_stale("stage_decode_lengths")
-        backend.stage_decode_lengths(self.active_request_count)
-        return self._active_lengths
+        if backend is None or self._state.mode is not _DRAFT:
+            backend = self._require_loop("stage_decode_lengths")
+        if self.capture_setup:  # device ops over padded_count rows, pad rows 0
+            self._route.stage_decode_lengths(self.padded)
+            return self.lengths
+        if self.offsets_stale:
+            raise_stale("stage_decode_lengths")
+        backend.stage_decode_lengths(self.count)
+        return self.lengths
 
-    def setup_decode_step(self, gpu_view: Any) -> ForwardShape:
+    def step(self, gpu_view: Any) -> ForwardShape:
         """One draft depth in one call: token maps for rows ``0..n-1`` at
         ``active_offsets`` through ``active_block_table`` padded to ``padded_count``,
         ``stage_decode_lengths``, and MHA metadata padded to ``padded_count``.
@@ -173,41 +285,49 @@ class DraftLoop:
         device offsets past the host's copy.
         """
         backend = self._backend
-        if backend is None or self.active_offsets is None:
-            backend = self._require_draft_views("setup_decode_step")
-        if self._forward_mode is not _DRAFT:
-            raise ForwardModeError(f"setup_decode_step: forward_mode is "
-                                   f"{self._forward_mode.name}, expected DRAFT (call "
-                                   "begin_decode first)")
+        if backend is None or self.offsets is None:
+            backend = self._require_loop("setup_decode_step")
+        state = self._state
+        if state.mode is not _DRAFT:
+            _raise_not_draft(state.mode)
         target = self._memo.target(gpu_view)
-        count, padded = self.active_request_count, self.padded_count
+        count, padded = self.count, self.padded
         if padded > target.max_tokens or padded > target.max_requests or \
-                target.width != self.max_kv_block_count:  # the cheap per-depth check
+                target.width != self._width:  # the cheap per-depth check
             check_decode_view(self._geometry, target, padded)
-        if self._capture_setup:  # contract §12: device ops only, legal inside a capture
-            return self._captured_step(target, gpu_view)
-        if self._offsets_stale:  # a captured begin, then DRAFT re-entered by hand
-            self._refuse_stale("setup_decode_step")
-        if self._memo.narrow_table and backend.host_offsets_known:  # else no scan
-            check_draft_blocks(self._geometry, target, backend.host_offsets,
-                               backend.host_block_table, count, backend.named_counts)
-        max_kv = backend.decode_step(target, count, padded, self.graphed)
-        if max_kv < -1:  # the kernel found a bad written block and wrote nothing
-            raise_draft_block(self._geometry, target, backend.host_offsets,
-                              backend.host_block_table, -2 - max_kv,
-                              backend.named_counts)
-        if max_kv < 0:  # the kernel found a bad offset and wrote nothing
-            raise_position_error(self._geometry, "active_offsets", backend.host_offsets,
-                                 count)
-        record = self._decode_record  # the depths of one draft loop share a record
+        if self.capture_setup:  # contract §12: device ops only, legal inside a capture
+            self.captured.step(target, count, padded)
+            max_k = self._bound_k
+        else:
+            if self.offsets_stale:  # a captured begin, then DRAFT re-entered by hand
+                raise_stale("setup_decode_step")
+            if self._memo.narrow_table and backend.host_offsets_known:  # else no scan
+                check_draft_blocks(self._geometry, target, backend.host_offsets,
+                                   backend.host_block_table, count, backend.named_counts)
+            max_kv = backend.decode_step(target, count, padded, self.graphed)
+            if max_kv < -1:  # the kernel found a bad written block and wrote nothing
+                raise_draft_block(self._geometry, target, backend.host_offsets,
+                                  backend.host_block_table, -2 - max_kv,
+                                  backend.named_counts)
+            if max_kv < 0:  # the kernel found a bad offset and wrote nothing
+                raise_position_error(self._geometry, "active_offsets",
+                                     backend.host_offsets, count)
+            if self.graphed:  # the capture-time bound, the same at every depth and step
+                max_k = self._bound_k
+            elif backend.host_offsets_known or not count:
+                max_k = max_kv if max_kv > 1 else 1  # upstream floors an empty one at 1
+            else:  # offsets came from a device tensor: the maximum would cost a sync
+                max_k = None
+        record = self.record  # the depths of one draft loop share a record
         if record is None or record.gpu_view is not gpu_view:
-            record = ForwardRecord("decode", gpu_view, count, padded, count, padded)
-            self._decode_record = record
-        self.last_forward = record
-        if self.graphed:  # the capture-time bound, the same at every depth and step
-            max_k = self.max_kv_block_count * self.block_size_tokens
-        elif backend.host_offsets_known or not count:
-            max_k = max_kv if max_kv > 1 else 1  # upstream floors an empty forward at 1
-        else:  # offsets came from a device tensor: the maximum would cost a sync
-            max_k = None
-        return self._memo.shape(count, padded, count, padded, 1, max_k)
+            record = self.record = ForwardRecord("decode", gpu_view, count, padded, count,
+                                                 padded)
+        state.last_forward = record
+        fields = (count, padded, count, padded, 1, max_k)
+        shape = self._shapes.get(fields)
+        return shape if shape is not None else self._memo.shape(*fields)
+
+
+def _raise_not_draft(mode: MTPForwardMode) -> NoReturn:
+    raise ForwardModeError(f"setup_decode_step: forward_mode is {mode.name}, expected "
+                           "DRAFT (call begin_decode first)")

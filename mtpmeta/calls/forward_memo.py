@@ -31,9 +31,16 @@ _MAX_SHAPES = 4096
 
 
 class ForwardMemo:
-    """Memo of one allocation (``buffers``, checked against ``geometry``)."""
+    """Memo of one allocation (``buffers``, checked against ``geometry``).
 
-    __slots__ = ("_buffers", "_geometry", "_views", "_last_view", "_shapes", "_prefill",
+    Holds ``active`` (``ActiveViews`` by n: ``offsets[:n]``, ``block_table[:n]``,
+    ``(query_lengths[:n], kv_lengths[:n])``), ``shapes`` (``ForwardShape`` by its six
+    fields), the prefill views ``query_lengths[:m]`` by m, and the resolved
+    destination views. Invariant: every entry is a view of, or a value derived from,
+    this allocation's buffers; none is data.
+    """
+
+    __slots__ = ("_buffers", "_geometry", "_views", "_last_view", "shapes", "_prefill",
                  "active", "narrow_table")
 
     def __init__(self, buffers: PersistentBuffers, geometry: Geometry,
@@ -47,7 +54,9 @@ class ForwardMemo:
         # Whether the last resolved view's mha_block_table holds fewer block ids than
         # block_table_dtype (a draft depth then scans its rows: check_draft_blocks).
         self.narrow_table = False
-        self._shapes = BoundedCache(_MAX_SHAPES)  # ForwardShape by its fields
+        # ForwardShape by its fields; a hot path reads it first (dict.get in C) and
+        # calls ``shape`` on a miss.
+        self.shapes = BoundedCache(_MAX_SHAPES)
         self._prefill = BoundedCache(_MAX_SHAPES)  # query_lengths[:m] by m
         self.active = BoundedCache(_MAX_SHAPES)  # ActiveViews by n; ``add_active`` fills it
         for count in range(min(buffers.offsets.shape[0], _MAX_SHAPES - 1) + 1):
@@ -77,10 +86,10 @@ class ForwardMemo:
 
     def shape(self, *fields: Any) -> ForwardShape:
         """``ForwardShape(*fields)``, built once per distinct shape."""
-        shape = self._shapes.get(fields)
+        shape = self.shapes.get(fields)
         if shape is None:
             shape = ForwardShape(*fields)
-            self._shapes.put(fields, shape)
+            self.shapes.put(fields, shape)
         return shape
 
     def prefill_view(self, length: int) -> Tensor:

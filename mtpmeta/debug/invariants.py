@@ -28,7 +28,7 @@ The invariants, in the order they are checked:
   (unallocated, or an id wrapped into a narrower dtype); a draft token's block in the
   draft loop's ``block_table`` fits the view's ``token_to_block_idx`` dtype (else the
   view holds a wrapped id); a device-route ``write_token_maps`` (record
-  ``block_table``) and ``begin_decode`` (``meta._unchecked_table``), whose ids the
+  ``block_table``) and ``begin_decode`` (``meta._draft.unchecked_table``), whose ids the
   host did not check, hold exactly the ids they were given: compared once, at the
   first check after the call.
 - ``inherited blocks`` (a last forward with ``inherited``): no real token whose block
@@ -46,7 +46,7 @@ The invariants, in the order they are checked:
   check, so this needs a check after the commit pass (``MTPMETA_DEBUG=1`` makes one).
 
 The first three (and the device-table part of ``block ids``) check the object and
-are here; the view checks, from ``padded token rows`` on, are ``invariants_view.py``.
+are here; the view checks, from ``padded token rows`` on, are ``view_checks.py``.
 
 ``install_debug_checks(cls)`` wraps the public methods so each call is followed by a
 check; ``mtpmeta.metadata`` calls it at import when ``MTPMETA_DEBUG=1``.
@@ -156,10 +156,11 @@ def _check_device_table_copy(meta: Any) -> None:
     """A ``begin_decode`` given a device block table (not value-checked on the host):
     at the first check after it, ``block_table[:n]`` must equal what it was given; an
     id that ``block_table_dtype`` cannot hold differs (the copy wrapped it)."""
-    pending = getattr(meta, "_unchecked_table", None)
+    draft = getattr(meta, "_draft", None)
+    pending = None if draft is None else draft.unchecked_table
     if pending is None or meta.block_table is None:
         return
-    meta._unchecked_table = None  # compared once: the caller may reuse its tensor
+    draft.unchecked_table = None  # compared once: the caller may reuse its tensor
     source, count = pending
     given = _host(source)[:count].astype(np.int64)
     held = _host(meta.block_table)[:count].astype(np.int64)

@@ -109,7 +109,7 @@ def _check_block_ids(meta: Any, record: ForwardRecord, f: Dict[str, np.ndarray],
                            f"that wrapped around in a narrower dtype)")
     rows = f["token_to_request_idx"][:T]
     columns = f["token_to_position_in_request"][:T] // meta.block_size_tokens
-    if record.kind == "decode" and getattr(meta, "_decode_record", None) is record:
+    if record.kind == "decode" and _draft_field(meta, "record") is record:
         # The draft loop of this record is still the staged one: its table is the
         # buffer (on the mirror path, the snapshot begin_decode staged).
         _check_draft_ids_fit(meta, record, view_dtype, rows, columns)
@@ -246,7 +246,7 @@ def _slots(meta: Any, f: Dict[str, np.ndarray], T: int) -> np.ndarray:
 def _check_committed_slots(meta: Any, record: ForwardRecord, f: Dict[str, np.ndarray],
                            T: int) -> None:
     """A commit pass's slots are kept at its first check; a depth of the draft loop
-    begun right after it (``meta._loop_after`` is that pass's record) must not write
+    begun right after it (``meta._draft.loop_after`` is that pass's record) must not write
     one that the same request committed (draft row ``i`` and commit-pass request ``i``
     are one request: both are annotation row ``draft_annotation_offset + i``): depth
     ``d`` writes ``start + d``, past what the pass committed, so a hit means the draft
@@ -263,9 +263,9 @@ def _check_committed_slots(meta: Any, record: ForwardRecord, f: Dict[str, np.nda
                                    f["token_to_request_idx"][:T].astype(np.int64))
         return
     if record.kind != "decode" or not T or not meta.draft_annotation_offset or \
-            getattr(meta, "_decode_record", None) is not record:
+            _draft_field(meta, "record") is not record:
         return  # with no paused rows first, the per-row starts are the active ones
-    commit = getattr(meta, "_loop_after", None)
+    commit = _draft_field(meta, "loop_after")
     seen = _COMMITS_SEEN.get(meta)
     if commit is None or seen is None or seen[0] is not commit or \
             seen[1] != _record_key(commit):
@@ -288,6 +288,13 @@ def _check_committed_slots(meta: Any, record: ForwardRecord, f: Dict[str, np.nda
                               f"writes start_positions[i], which must lie past what the "
                               f"pass committed (start + count of active request i), not a "
                               f"per-row array that paused rows shift")
+
+
+def _draft_field(meta: Any, name: str) -> Any:
+    """Field ``name`` of ``meta``'s draft loop (``mtpmeta.calls.draft_loop``), None for
+    an object without one."""
+    draft = getattr(meta, "_draft", None)
+    return None if draft is None else getattr(draft, name)
 
 
 def _first(seen: Any, slot: int, request: int) -> int:

@@ -22,6 +22,7 @@ from typing import Any, Optional, Tuple, Union
 import torch
 
 from mtpmeta.reference.view import ReferenceGPUView
+from mtpmeta.reference.writers import on_device as _on, write_mha_metadata, write_token_maps
 from mtpmeta.types import ForwardShape, MTPForwardMode
 
 __all__ = ["ReferenceMTPMetadata"]
@@ -43,11 +44,6 @@ def _snapshot(x: torch.Tensor, idx: Index) -> torch.Tensor:
     already copies; a slice or an int gives a view, which is cloned."""
     values = x[idx]
     return values.clone() if isinstance(idx, (slice, int)) else values
-
-
-def _on(x: Any, device: torch.device) -> torch.Tensor:
-    """``torch.as_tensor(x)`` moved to ``device`` (lists, numpy arrays, tensors)."""
-    return torch.as_tensor(x).to(device)
 
 
 class ReferenceMTPMetadata:
@@ -295,32 +291,10 @@ class ReferenceMTPMetadata:
         inherited_blocks: Any = None,
     ) -> None:
         """Write the five per-token maps for ``T = len(positions)`` tokens, then send pad
-        tokens ``T <= t < padded_token_count`` to the dummy block at offset 0."""
-        device = gpu_view.token_to_pos_ids.device
-        rows = _on(rows, device).long()  # [T]
-        positions = _on(positions, device)  # [T]
-        block_table = _on(block_table, device)  # [R, W]
-        T = positions.numel()
-
-        cols = (positions // self.block_size_tokens).to(torch.long)  # [T]
-        dest = block_table[rows, cols]  # [T]
-        if inherited_blocks is not None:
-            inherited = _on(inherited_blocks, device)[rows]  # [T]
-            dest = torch.where(cols < inherited, torch.full_like(dest, self.dummy_block_idx),
-                               dest)
-
-        v = gpu_view
-        v.token_to_block_idx[:T] = dest.to(v.token_to_block_idx.dtype)
-        v.token_to_local_position_within_kv_block[:T] = (
-            positions % self.block_size_tokens
-        ).to(v.token_to_local_position_within_kv_block.dtype)
-        v.token_to_request_idx[:T] = rows.to(v.token_to_request_idx.dtype)
-        v.token_to_position_in_request[:T] = positions.to(v.token_to_position_in_request.dtype)
-        v.token_to_pos_ids[:T] = positions.to(v.token_to_pos_ids.dtype)
-
-        if padded_token_count > T:
-            v.token_to_block_idx[T:padded_token_count] = self.dummy_block_idx
-            v.token_to_local_position_within_kv_block[T:padded_token_count] = 0
+        tokens ``T <= t < padded_token_count`` to the dummy block at offset 0
+        (``mtpmeta.reference.writers.write_token_maps``)."""
+        write_token_maps(gpu_view, rows, positions, block_table, padded_token_count,
+                         inherited_blocks, self.block_size_tokens, self.dummy_block_idx)
 
     def write_mha_metadata(
         self,
@@ -332,42 +306,9 @@ class ReferenceMTPMetadata:
     ) -> None:
         """Write lengths, cumulative lengths and block table for ``n = len(query_lengths)``
         request slots; slots ``n <= i < padded_request_count`` get zero lengths, flat cu
-        entries and a ``-1`` block-table row."""
-        device = gpu_view.mha_query_lengths.device
-        q = _on(query_lengths, device)  # [n]
-        kv = _on(kv_lengths, device)  # [n]
-        q = q if q.dim() == 1 else q.reshape(-1)
-        kv = kv if kv.dim() == 1 else kv.reshape(-1)
-        block_table = _on(block_table, device)  # [B, W]
-        n = q.numel()
-        B = block_table.shape[0]
-        if B > n:
-            raise ValueError(
-                f"write_mha_metadata: block_table has {B} rows, more than the {n} "
-                f"request slots in query_lengths"
-            )
-        p = padded_request_count
-        v = gpu_view
-
-        # Upstream's order: query lengths and their sums, then KV, then the table.
-        v.mha_query_lengths[:n] = q.to(v.mha_query_lengths.dtype)
-        v.mha_cu_query_seq_lengths[0] = 0
-        v.mha_cu_query_seq_lengths[1 : n + 1] = torch.cumsum(q, 0).to(
-            v.mha_cu_query_seq_lengths.dtype)
-        v.mha_kv_seq_lengths[:n] = kv.to(v.mha_kv_seq_lengths.dtype)
-        v.mha_cu_kv_seq_lengths[0] = 0
-        v.mha_cu_kv_seq_lengths[1 : n + 1] = torch.cumsum(kv, 0).to(
-            v.mha_cu_kv_seq_lengths.dtype)
-        v.mha_block_table[:B] = block_table
-        if n > B:
-            v.mha_block_table[B:n] = self.dummy_block_idx
-
-        if p > n:
-            v.mha_query_lengths[n:p] = 0
-            v.mha_cu_query_seq_lengths[n + 1 : p + 1] = v.mha_cu_query_seq_lengths[n]
-            v.mha_kv_seq_lengths[n:p] = 0
-            v.mha_cu_kv_seq_lengths[n + 1 : p + 1] = v.mha_cu_kv_seq_lengths[n]
-            v.mha_block_table[n:p] = -1
+        entries and a ``-1`` block-table row (``mtpmeta.reference.writers``)."""
+        write_mha_metadata(gpu_view, query_lengths, kv_lengths, block_table,
+                           padded_request_count, self.dummy_block_idx)
 
     # --------------------------------------------------------- fused step helpers
     def setup_decode_step(self, gpu_view: ReferenceGPUView) -> ForwardShape:

@@ -1,6 +1,9 @@
-"""The validation layer of ``MTPMetadata``: one ``check_*`` function per entry point.
-Their shared half (the kernels' status codes and decoders, the block-id range checks,
-the destination-view bounds) is ``mtpmeta.validation.bounds``.
+"""The checks of ``MTPMetadata``'s forwards: the destination view a writer resolves,
+the draft loop (``begin_decode``, each depth) and the commit pass
+(``stage_prefill_lengths``, ``setup_commit_pass``). Their shared half (the kernels'
+status codes and decoders, the block-id range checks, the destination-view bounds) is
+``mtpmeta.validation.bounds``; construction and ``allocate`` are ``config``, the row
+calls ``rows``, the chunk carry ``carry``, the two view writers ``writer_inputs``.
 
 A ``check_*`` takes the object's ``Geometry`` (and the resolved destination view where
 the method writes one) with the caller's raw inputs. It raises ``ValueError``,
@@ -11,9 +14,9 @@ route (shapes and dtypes checked; values are not read, that would sync). Tuples,
 named records: a record costs about 0.5 µs per call, a tenth of a ``write_token_maps``.
 
 Kernels that write scan first and refuse without writing; the ``raise_*`` functions
-(here and in ``check_bounds``) turn a refusal (a ``TokenStatus``/``CarryStatus`` code
-or the refused index) into the error the caller sees. Raw-input conversion is
-``mtpmeta.validation.inputs``. Explicit raises, never ``assert``: they hold under ``python -O``.
+(here and in ``bounds``) turn a refusal (a ``TokenStatus`` code or the refused index)
+into the error the caller sees. Raw-input conversion is ``mtpmeta.validation.inputs``.
+Explicit raises, never ``assert``: they hold under ``python -O``.
 """
 
 from __future__ import annotations
@@ -21,160 +24,33 @@ from __future__ import annotations
 from typing import Any, Optional, Tuple
 
 import numpy as np
-import torch
-from torch import Tensor
 
+from mtpmeta.gpu_view import ViewTarget
 from mtpmeta.kernels import native
-from mtpmeta.validation.bounds import (CarryStatus, TokenStatus, _check_block_column,
-                           _check_view_capacity, _check_view_width,
-                           _INT32_DTYPE as _INT32, _INT32_MAX, _INT32_MIN,
-                           _raise_commit_status, _raise_inherited_range,
-                           _raise_written_block, _scan_rows_fit, _shortest_token_field,
-                           check_padded, check_rows_fit)
 from mtpmeta.kernels.counted import first_row_past_packed
 from mtpmeta.validation.block_counts import (as_block_counts, check_commit_counts,
                                              raise_past_count, refuse_device_table)
-from mtpmeta.errors import ChunkCarryError, InvalidDtypeError
-from mtpmeta.gpu_view import ViewTarget
-from mtpmeta.buffers.layout import dtype_range, is_int_dtype
+from mtpmeta.validation.bounds import (_check_block_column, _check_view_capacity,
+                                       _check_view_width, _INT32_DTYPE as _INT32,
+                                       _INT32_MAX, _INT32_MIN, _raise_commit_status,
+                                       _raise_inherited_range, _raise_written_block,
+                                       _scan_rows_fit, _shortest_token_field,
+                                       check_padded, check_rows_fit)
 from mtpmeta.validation.geometry import CommitInputs, DecodeInputs, Geometry
-from mtpmeta.validation.inputs import (INT32_LIMIT, INT64_MAX, as_count, as_host_counts,
-                                       as_host_ints, as_host_request_ints, as_carry_source,
-                                       as_optional_per_request, as_row_indices,
-                                       check_device_tensors, is_device_tensor,
-                                       raise_row_out_of_range)
+from mtpmeta.validation.inputs import (INT32_LIMIT, as_count, as_host_counts, as_host_ints,
+                                       as_host_request_ints, as_optional_per_request,
+                                       check_device_tensors, is_device_tensor)
 
-__all__ = ["Geometry", "TokenStatus", "CarryStatus", "check_config", "check_allocate",
-           "check_row_pair", "raise_refused_row_pair", "check_carry", "check_take",
-           "check_view_device", "check_decode_counts", "check_begin_decode",
-           "check_decode_view", "raise_position_error", "check_prefill_lengths",
-           "check_commit_inputs",
-           "check_draft_blocks", "raise_draft_block", "raise_commit_block",
-           "check_rows_fit"]
+__all__ = ["check_view_device", "check_decode_counts", "check_begin_decode",
+           "check_draft_blocks", "raise_draft_block", "check_decode_view",
+           "raise_position_error", "check_prefill_lengths", "check_commit_inputs",
+           "raise_commit_block"]
 
 _first_bad_draft_block = native.checks.first_bad_draft_block
 _INHERITED_OUT_OF_RANGE = native.checks.INHERITED_OUT_OF_RANGE
-_check_take = native.carry.check_take
-_INT64_MIN = -INT64_MAX - 1
-
-# ---------------------------------------------------------------- construction
-def check_config(max_requests: Any, max_kv_block_count: Any, block_size_tokens: Any,
-                 dummy_block_idx: Any, block_table_dtype: Any, hidden_size: Any,
-                 hidden_dtype: Any) -> None:
-    """The constructor's arguments of an enabled ``MTPMetadata``."""
-    for name, value in (("max_requests", max_requests),
-                        ("max_kv_block_count", max_kv_block_count),
-                        ("block_size_tokens", block_size_tokens),
-                        ("hidden_size", hidden_size)):
-        as_count(value, name, low=1)
-    dummy = as_count(dummy_block_idx, "dummy_block_idx", low=-INT64_MAX - 1)
-    if dummy < 0:
-        raise ValueError(f"dummy_block_idx: {dummy} < 0; pad tokens write the dummy "
-                         "block, so it must be a real scratch block index (>= 0)")
-    if not isinstance(block_table_dtype, torch.dtype) or \
-            not is_int_dtype(block_table_dtype):
-        raise InvalidDtypeError(f"block_table_dtype: expected an integer torch "
-                                f"dtype, got {block_table_dtype!r}")
-    high = dtype_range(block_table_dtype)[1]
-    if dummy > high:
-        raise ValueError(f"dummy_block_idx: {dummy} does not fit block_table_dtype "
-                         f"{block_table_dtype} (max {high})")
-    if not isinstance(hidden_dtype, torch.dtype) or not hidden_dtype.is_floating_point:
-        raise InvalidDtypeError(f"hidden_dtype: expected a floating torch dtype, "
-                                f"got {hidden_dtype!r}")
 
 
-def check_allocate(device: Any, mirror: Optional[bool], max_tokens: Any,
-                   staging_slots: Any) -> Tuple[torch.device, bool]:
-    """``allocate``'s arguments; returns ``(device, mirror)`` with mirror decided."""
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError, ValueError) as error:
-        raise ValueError(f"allocate: device {device!r} is not a torch device "
-                         f"({error})") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"allocate: device {device} requested, but CUDA is not "
-                         "available on this machine (a CPU-only torch build or no GPU); "
-                         "use allocate('cpu')")
-    if mirror is None:
-        mirror = device.type != "cpu"
-    elif not mirror and device.type != "cpu":
-        raise ValueError(f"allocate: mirror=False needs a CPU device, got {device}")
-    as_count(max_tokens, "max_tokens", low=1, high=INT32_LIMIT - 1,
-             high_name="int32 token index limit")
-    as_count(staging_slots, "staging_slots", low=2, high=64, high_name="slot limit")
-    return device, mirror
-
-
-# ---------------------------------------------------------------- row lifecycle
-def check_row_pair(geo: Geometry, method: str, src_idxs: Any,
-                   dst_idxs: Any) -> Tuple[np.ndarray, np.ndarray]:
-    """``(src, dst)`` index arrays of equal length for a move or swap. Their range is
-    checked by the row kernel (``raise_refused_row_pair`` decodes its refusal)."""
-    num_rows = geo.max_requests
-    src = as_row_indices(src_idxs, num_rows, "src_idxs")
-    dst = as_row_indices(dst_idxs, num_rows, "dst_idxs")
-    if type(src) is slice:
-        src = np.arange(num_rows)[src]
-    if type(dst) is slice:
-        dst = np.arange(num_rows)[dst]
-    if len(src) != len(dst):
-        raise ValueError(f"{method}: src_idxs has {len(src)} rows but dst_idxs "
-                         f"has {len(dst)}; they must have the same length")
-    return src, dst
-
-
-def raise_refused_row_pair(geo: Geometry, src: np.ndarray, dst: np.ndarray,
-                           bad: int) -> None:
-    """``bad`` from a pair kernel: the index it refused (nothing written), -1 for none;
-    ``[0, len(src))`` counts into ``src``, the rest into ``dst``."""
-    if bad >= 0:
-        count = src.shape[0]
-        if bad < count:
-            raise_row_out_of_range(src, bad, geo.max_requests, "src_idxs")
-        raise_row_out_of_range(dst, bad - count, geo.max_requests, "dst_idxs")
-
-
-# ----------------------------------------------------------------- chunk carry
-def check_carry(geo: Geometry, hidden: Any, req_id: Any,
-                position: Any) -> Tuple[Tensor, int, int]:
-    """``(source, req_id, position)``: ``source`` is ``hidden`` shaped to broadcast
-    into the ``[1, 1, H]`` carry (detached), the keys are checked ints."""
-    if type(req_id) is int and type(position) is int and 0 <= req_id <= INT64_MAX and \
-            0 <= position <= INT64_MAX:  # the hot path: plain ints in range
-        return as_carry_source(hidden, geo.hidden_size, geo.hidden_dtype), req_id, position
-    req_id = as_count(req_id, "req_id", high=INT64_MAX, high_name="int64 max")
-    position = as_count(position, "position", high=INT64_MAX, high_name="int64 max")
-    return as_carry_source(hidden, geo.hidden_size, geo.hidden_dtype), req_id, position
-
-
-def check_take(carry_state: np.ndarray, req_id: Any, seam_position: Any) -> None:
-    """Whether the live carry (``[valid, req_id, position]``) is ``req_id``'s at
-    ``seam_position``; raises ``ChunkCarryError`` naming what differs."""
-    if not (type(req_id) is int and type(seam_position) is int and
-            _INT64_MIN <= req_id <= INT64_MAX and
-            _INT64_MIN <= seam_position <= INT64_MAX):  # else: the checked conversion
-        req_id = as_count(req_id, "req_id", low=_INT64_MIN, high=INT64_MAX,
-                          high_name="int64 max")
-        seam_position = as_count(seam_position, "seam_position", low=_INT64_MIN,
-                                 high=INT64_MAX, high_name="int64 max")
-    code = _check_take(carry_state, req_id, seam_position)
-    if not code:
-        return
-    if code == CarryStatus.NOT_VALID:
-        raise ChunkCarryError(
-            f"take_chunk_boundary: no live chunk-boundary carry (chunk_boundary_valid "
-            f"is False), but request {req_id} asked for one at position {seam_position}")
-    if code == CarryStatus.OTHER_REQUEST:
-        raise ChunkCarryError(
-            f"take_chunk_boundary: the carry belongs to request "
-            f"{int(carry_state[1])}, not request {req_id}")
-    if code == CarryStatus.OTHER_POSITION:
-        raise ChunkCarryError(
-            f"take_chunk_boundary: the carry for request {req_id} sits at position "
-            f"{int(carry_state[2])}, but the seam is at {seam_position}")
-
-
+# ------------------------------------------------------------ destination view
 def check_view_device(geo: Geometry, target: ViewTarget) -> None:  # every writer
     """A destination view, resolved once, lies on the buffers' device, and its block
     fields hold ``dummy_block_idx`` (pad rows write it; a wrapped D is a real block)."""
@@ -417,6 +293,3 @@ def raise_commit_block(geo: Geometry, target: ViewTarget, code: int, r: int,
     _raise_written_block("block_table", int(table[r, column]), r, column,
                          f"request {r} (positions {start}..{start + int(counts[r]) - 1})",
                          target)
-
-
-# --------------------------------------------------------------------- writers

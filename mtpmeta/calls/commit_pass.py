@@ -1,0 +1,144 @@
+"""``CommitPass``: the varlen commit pass (contract §6): ``stage_prefill_lengths`` and
+the fused ``setup_commit_pass``.
+
+Each call validates at the boundary (``mtpmeta.validation.checks``), then hands the work
+to the backend; the backend's kernel scans the written blocks and inherited counts
+before its first write and reports a refusal, which is raised here with nothing
+written.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from torch import Tensor
+
+from mtpmeta.calls.allocation import Allocation
+from mtpmeta.calls.state import CallState, raise_unavailable
+from mtpmeta.types import ForwardRecord, ForwardShape, MTPForwardMode
+from mtpmeta.validation.bounds import refuse_whole_annotations
+from mtpmeta.validation.checks import (check_commit_inputs, check_prefill_lengths,
+                                       raise_commit_block)
+
+__all__ = ["CommitPass"]
+
+_COMMIT = MTPForwardMode.COMMIT
+
+
+class CommitPass:
+    """The commit pass's calls over one allocation.
+
+    Binds the allocation's backend, ``Geometry``, ``ForwardMemo`` (and its ``shapes``),
+    ``InheritedCopies`` and the ``[R]`` int32 ``request_matched_prefix_blocks`` (to
+    refuse it whole while ``draft_annotation_offset`` is non-zero); all None without an
+    allocation. Invariant: a refused pass leaves the view, the buffers and
+    ``forward_mode`` as they were.
+    """
+
+    __slots__ = ("_state", "_backend", "_geometry", "_memo", "_shapes", "_inherited",
+                 "_annotations")
+
+    def __init__(self, state: CallState) -> None:
+        self._state = state
+        self.install(None)
+
+    def install(self, allocation: Optional[Allocation]) -> None:
+        """Bind ``allocation`` (None: no buffers)."""
+        if allocation is None:
+            self._backend = self._geometry = self._memo = self._shapes = None
+            self._inherited = self._annotations = None
+            return
+        self._backend = allocation.backend
+        self._geometry = allocation.geometry
+        self._memo = allocation.memo
+        self._shapes = allocation.memo.shapes
+        self._inherited = allocation.inherited
+        self._annotations = allocation.buffers.request_matched_prefix_blocks
+
+    def stage_prefill_lengths(self, append_counts: Any, pad_tokens: Any) -> Tensor:
+        """Stage a varlen commit pass's lengths, absorbing ``pad_tokens`` TP pad rows.
+
+        ``P = len(append_counts)``. The returned view of ``query_lengths`` is
+        ``P + 1`` long when ``pad_tokens > 0 and P < R`` (the pad rows get their own
+        trailing request), else ``P`` long (a full batch grows its last entry).
+        Example: ``[3, 2]``, pad 3 -> ``[3, 2, 3]``; with R = 2 -> ``[3, 5]``.
+
+        One buffer serves as query and KV lengths (a fresh causal prefill), so the
+        pass's attention output is a request's true attention only for a span that
+        starts at position 0; a span starting later populates KV, and its output is
+        not meaningful (a token at ``start + j`` attends over positions ``0..j``).
+        """
+        backend = self._backend
+        if backend is None:
+            raise_unavailable(self._state, "stage_prefill_lengths")
+        counts, pad, on_device = check_prefill_lengths(self._geometry, append_counts,
+                                                       pad_tokens)
+        staged = (backend.stage_prefill_lengths_device if on_device
+                  else backend.stage_prefill_lengths)(counts, pad)
+        return self._memo.prefill_view(staged)
+
+    def setup(self, gpu_view: Any, append_counts: Any, block_table: Any,
+              start_positions: Any, inherited_blocks: Any, padded_token_count: Any,
+              padded_request_count: Any, block_counts: Any) -> ForwardShape:
+        """The whole varlen commit pass in one call; sets ``forward_mode = COMMIT``.
+
+        Request ``r`` (row ``r`` of ``block_table``) writes ``append_counts[r]``
+        consecutive positions from ``start_positions[r]`` (0 when None). Token maps with
+        the inherited-block redirect, padded to ``padded_token_count`` (default: the
+        total ``T``); ``stage_prefill_lengths`` with ``pad = padded_token_count - T``; MHA
+        metadata over ``max(padded_request_count or P, staged)`` slots with one length
+        buffer for query and KV.
+
+        append_counts: int [P]; block_table: int [>= P, view width]; start_positions,
+        inherited_blocks: int [>= P]. Host inputs are checked in full and cost no sync;
+        device tensors are read back to the host with one ``.cpu()`` each, one sync
+        each: ``append_counts``, ``block_table``, ``start_positions`` and
+        ``inherited_blocks`` (their values decide the staging and the returned shape).
+        Keep them on the host to keep the commit pass free of syncs.
+        ``inherited_blocks`` is per commit-pass request: the ACTIVE slice of the
+        annotations (``request_matched_prefix_blocks[paused:total]``), never the whole
+        array, which with paused rows redirects the wrong requests (refused, a
+        ``ValueError``, when ``draft_annotation_offset`` is non-zero); its counts lie in
+        ``[0, max_kv_block_count]`` and are copied for ``check_invariants`` at the call.
+        Block ids: the rows ``block_table[:P]`` must fit ``gpu_view.mha_block_table``,
+        and every block a token writes (not redirected) must be ``>= 0`` and fit
+        ``gpu_view.token_to_block_idx``; refused before anything is written.
+
+        Attention output: KV length equals query length (a fresh causal prefill), so
+        it is meaningful only for spans starting at position 0; later spans populate
+        KV. ``ForwardShape.max_seqlen_q == max_seqlen_k`` is the largest staged length
+        (at least 1). When ``P == R`` and there is token padding, request ``P - 1``
+        absorbs the pad rows and its KV span runs past what it writes: its
+        ``mha_block_table`` columns that lie wholly at or past ``start + count`` point at
+        the dummy block (upstream copies the caller's row, -1 entries included).
+        Example: BS 4, R 2, counts [3, 3], tables [[0, -1], [1, -1]], 8 tokens ->
+        lengths [3, 5], request 1 reads row [1, D]. ``block_counts``: opt-in, contract §5.
+        """
+        backend = self._backend
+        if backend is None:
+            raise_unavailable(self._state, "setup_commit_pass")
+        state = self._state
+        if state.annotation_offset and inherited_blocks is not None:
+            refuse_whole_annotations("setup_commit_pass", inherited_blocks,
+                                     self._annotations, state.annotation_offset)
+        target = self._memo.target(gpu_view)
+        geometry = self._geometry
+        (counts, starts, table, inherited, total, padded_tokens, pad, min_padded,
+         padded_requests, used) = check_commit_inputs(
+            geometry, target, append_counts, block_table, start_positions,
+            inherited_blocks, padded_token_count, padded_request_count, block_counts)
+        refused, staged, padded_requests, max_len = backend.commit_pass(
+            target, counts, starts, table, inherited, padded_tokens, pad, min_padded,
+            padded_requests, used)
+        if refused < 0:  # a bad written block or inherited count: nothing written
+            raise_commit_block(geometry, target, -refused, staged, padded_requests,
+                               counts, starts, table, inherited)
+        state.mode = _COMMIT
+        total = int(total)
+        state.last_forward = ForwardRecord("commit", gpu_view, total, padded_tokens,
+                                           staged, padded_requests,
+                                           self._inherited.copy(inherited))
+        max_len = int(max_len) if max_len > 1 else 1  # upstream floors an empty one at 1
+        fields = (total, padded_tokens, staged, padded_requests, max_len, max_len)
+        shape = self._shapes.get(fields)
+        return shape if shape is not None else self._memo.shape(*fields)

@@ -1,0 +1,105 @@
+"""``RowLifecycle``: the row-lifecycle calls (``reset_request_rows``,
+``move_request_rows``, ``swap_request_rows``) on the ``[R]`` int32 annotations
+(``request_matched_prefix_blocks``).
+
+Each validates its indices at the boundary (``mtpmeta.validation``), then runs one
+``native.rows`` kernel, which scans every index before its first write: a refused call
+leaves the annotations as they were.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+
+from mtpmeta.calls.allocation import Allocation
+from mtpmeta.calls.state import CallState, raise_unavailable
+from mtpmeta.kernels import native
+from mtpmeta.validation.geometry import Geometry
+from mtpmeta.validation.inputs import as_row_indices, raise_row_out_of_range
+from mtpmeta.validation.rows import check_row_pair, raise_refused_row_pair
+
+__all__ = ["RowLifecycle"]
+
+# The kernels, bound once (a module attribute chain costs two lookups per call).
+_move_rows, _swap_rows, _reset_rows = (native.rows.move_rows, native.rows.swap_rows,
+                                       native.rows.reset_rows)
+
+
+class RowLifecycle:
+    """Resets, moves and swaps of annotation rows.
+
+    Holds the allocation's ``annotations`` (``[R]`` int32 host array, a view of
+    ``request_matched_prefix_blocks``), its ``row_scratch`` (``[2R]`` int32 snapshot
+    space) and its ``Geometry``; all None without an allocation. Invariant: every
+    source row is read before any destination row is written.
+    """
+
+    __slots__ = ("_state", "_annotations", "_scratch", "_geometry")
+
+    def __init__(self, state: CallState) -> None:
+        self._state = state
+        self.install(None)
+
+    def install(self, allocation: Optional[Allocation]) -> None:
+        """Bind the rows of ``allocation`` (None: no buffers)."""
+        if allocation is None:
+            self._annotations = self._scratch = self._geometry = None
+        else:
+            self._annotations = allocation.buffers.annotations
+            self._scratch = allocation.buffers.row_scratch
+            self._geometry: Optional[Geometry] = allocation.geometry
+
+    def reset(self, request_indexes: Any) -> None:
+        """Clear annotations of released/reused rows: ``x[request_indexes] = 0``.
+
+        Takes a slice, an int, a sequence, a numpy array, a tensor (a device tensor is
+        read back, one sync) or a boolean mask. No-op when disabled.
+        """
+        if not self._state.enabled:
+            return
+        annotations = self._annotations
+        if annotations is None:
+            raise_unavailable(self._state, "reset_request_rows")
+        max_requests = self._geometry.max_requests
+        rows = as_row_indices(request_indexes, max_requests, "request_indexes")
+        if type(rows) is slice:
+            annotations[rows] = 0
+            return
+        bad = _reset_rows(annotations, rows)
+        if bad >= 0:  # refused before any write
+            raise_row_out_of_range(rows, bad, max_requests, "request_indexes")
+
+    def move(self, src_idxs: Any, dst_idxs: Any) -> None:
+        """``x[dst] = x[src]``: every source is read before any destination is written,
+        so overlapping ranges are safe; sources keep their values. No-op when disabled."""
+        if not self._state.enabled:
+            return
+        annotations = self._annotations
+        if annotations is None:
+            raise_unavailable(self._state, "move_request_rows")
+        src, dst = check_row_pair(self._geometry, "move_request_rows", src_idxs, dst_idxs)
+        scratch = self._scratch
+        if len(src) > len(scratch):
+            scratch = np.empty(len(src), dtype=np.int32)
+        bad = _move_rows(annotations, src, dst, scratch)
+        if bad >= 0:  # refused before any write
+            raise_refused_row_pair(self._geometry, src, dst, bad)
+
+    def swap(self, src_idxs: Any, dst_idxs: Any) -> None:
+        """Swap annotations: both sides read first, then ``x[dst] = old[src]``, then
+        ``x[src] = old[dst]`` (an index on both sides keeps the second assignment).
+        No-op when disabled."""
+        if not self._state.enabled:
+            return
+        annotations = self._annotations
+        if annotations is None:
+            raise_unavailable(self._state, "swap_request_rows")
+        src, dst = check_row_pair(self._geometry, "swap_request_rows", src_idxs, dst_idxs)
+        scratch = self._scratch
+        if 2 * len(src) > len(scratch):
+            scratch = np.empty(2 * len(src), dtype=np.int32)
+        bad = _swap_rows(annotations, src, dst, scratch)
+        if bad >= 0:  # refused before any write
+            raise_refused_row_pair(self._geometry, src, dst, bad)
