@@ -1,6 +1,6 @@
 """The mirror path's GPU hazards that plain CPU runs can still pin down.
 
-Each test names the invariant a CUDA engineer's review found at risk (issue 9 §2); the
+Each test names the invariant a CUDA engineer's review found at risk; the
 ordering hazards that need queued device work are in ``tests/test_cuda_sim.py``. Here:
 the capture guard, the per-slot device stages and where their fences are recorded, the
 stream fences record on, out-of-table device start positions, the documented read-backs

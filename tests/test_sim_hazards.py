@@ -1,4 +1,5 @@
-"""GPU review round 2 (issue 16), under the CUDA-semantics simulator (``tests/cuda_sim.py``).
+"""The mirror path's device hazards under the CUDA-semantics simulator
+(``tests/cuda_sim.py``).
 
 Each section pins one hazard of the mirror path: device-route rows outside the table,
 persistent buffers shared by two streams, caller device tensors freed while queued

@@ -48,8 +48,8 @@ own device scratch (``ViewTarget.writer_scratch``), and are not ordered. Caller 
 tensors that queued work reads get ``record_stream`` on the current stream through the
 runtime, so a producer that allocated them on another stream may free them at once.
 
-Cost: 2 data ops per plain begin, 2 per depth, 1 per advance, 2 per commit pass that
-reuses its leading rows: 14 per standard step, advances included.
+Cost in device data ops: 1 per carry, 2 per plain begin, 2 per depth, 1 per advance,
+2 per commit pass: 14 per standard step of 3 depths, advances included.
 """
 
 from __future__ import annotations
@@ -82,7 +82,12 @@ class MirrorBackend:
     ``host_block_table`` (``[R, W]`` of the table dtype, or packed ``[n, C]`` rows),
     ``host_block_counts`` ``[R]`` int32 (``W`` for every row without counts),
     ``host_offsets_known`` (False after a device-route begin) and ``begin_derived``
-    (the last begin took counts derived from its table)."""
+    (the last begin took counts derived from its table).
+
+    Invariant: while ``host_offsets_known``, rows ``[:n]`` of the host truth equal what
+    ``offsets`` and ``block_table`` hold once the ops issued so far ran (a begin
+    writes both sides from one pinned slot, an advance moves both), so no call reads
+    the device back; every call that stages enters ``refuse_capture`` first."""
 
     mirror = True
 

@@ -47,13 +47,13 @@ BEGIN_ROWS = 8
 class BeginStaging:
     """The begin ring and its device landing.
 
-    ``ring``: ``num_slots`` pinned slots, each a head ``[R + 1]`` int32 then a table
-    ``[R, W]`` of the block-table dtype; ``arrays[slot]`` / ``tensors[slot]``: their
-    ``(head, table)`` as numpy arrays / host tensors. ``landing``: the same layout on
-    the device, aliased by no public name: ``landing_head`` ``[R + 1]`` int32 and
-    ``reuse_table`` ``[R, W]``. A counted begin (``counted``) uses the slots' table
-    regions and ``reuse_table``'s storage for packed ``[n, C]`` rows; it marks the slot
-    (``StagingRing.marks``), and a plain ``stage`` drops the mark.
+    ``ring``: ``num_slots`` pinned slots, each a ``head`` ``[R + 1]`` int32 then a
+    ``block_table`` ``[R, W]`` of the table dtype; ``arrays[slot]`` /
+    ``tensors[slot]``: those fields as numpy arrays / host tensors. ``landing``: the
+    same layout on the device, aliased by no public name: ``landing_head`` ``[R + 1]``
+    int32 and ``reuse_table`` ``[R, W]``. A counted begin (``counted``) uses the slots'
+    table regions and ``reuse_table``'s storage for packed ``[n, C]`` rows; it marks
+    the slot (``StagingRing.marks``), and a plain ``stage`` drops the mark.
 
     Invariant: ``reuse_table[:device_rows]`` equals the host truth's rows
     ``[:device_rows]`` once the ops issued so far ran (``ship`` and
@@ -96,7 +96,8 @@ class BeginStaging:
         the offsets. Returns ``(slot, the slot's [R, W] table)``: the host truth of the
         draft loop until a later begin takes the slot."""
         slot = self.ring.acquire()
-        head_np, table_np = self.arrays[slot]
+        staged = self.arrays[slot]
+        head_np, table_np = staged.head, staged.block_table
         native.draft_state.copy_decode_inputs(start_positions, table_src, count,
                                               self.block_size, head_np[1:], table_np)
         # The device count too, in the same copy: a graph captured with capture_setup

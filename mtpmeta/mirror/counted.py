@@ -153,15 +153,33 @@ class CountedRoute:
         the packed ``[n, C]`` rows, the draft loop's host truth. ``fill``: the rows'
         value past their counts (``D``; -1 for derived counts, which are the caller's
         table); ``largest``: the largest count when the caller knows it."""
-        begin = self._begin
         fill = self.dummy if fill is None else fill
         if largest is None:
             largest = int(_min_max(block_counts, count)[1])
         columns = column_bucket(largest, self._width)
         slot, packed = self._stage_packed(count, start_positions, table_src, block_counts,
                                           columns, fill, host_offsets)
+        self._ship_packed(slot, count, columns, fill)
+        return packed
+
+    def begin_derived(self, count: int, start_positions: np.ndarray,
+                      table_src: np.ndarray, host_offsets: np.ndarray) -> np.ndarray:
+        """The default begin of a wide table (module docstring, "Derived counts"): the
+        counted begin with each row's used columns as its count and -1 past them, so
+        the device table is the caller's bit for bit and only ``[n, C]`` rows cross."""
+        used = self.counts
+        largest = table_threads.used_columns(table_src, count, used)
+        return self.begin(count, start_positions, table_src, used, host_offsets, -1,
+                          int(largest))
+
+    def _ship_packed(self, slot: int, count: int, columns: int, fill: int) -> None:
+        """The device side of a counted begin staged in ``slot`` (module docstring): the
+        head's H2D copy into ``draft_head[:n + 1]``, then the packed rows into
+        ``block_table[:n, :C]`` (through the landing when ``C < W``, ``fill`` over
+        ``[:n, C:]``); releases the slot. The landing then holds no reusable rows."""
+        begin = self._begin
         self._prefix("draft_head", self.buffers.draft_head, count + 1).copy_(
-            self._prefix(("begin_head", slot), begin.tensors[slot][0], count + 1),
+            self._prefix(("begin_head", slot), begin.tensors[slot].head, count + 1),
             non_blocking=True)
         if count:
             staged, landing, first_columns, past_columns = self._packed_views(slot, columns)
@@ -174,17 +192,6 @@ class CountedRoute:
                 past_columns[:count].fill_(fill)
         begin.ring.release(slot)
         begin.drop_rows()  # reuse_table holds packed rows, not [R, W] ones
-        return packed
-
-    def begin_derived(self, count: int, start_positions: np.ndarray,
-                      table_src: np.ndarray, host_offsets: np.ndarray) -> np.ndarray:
-        """The default begin of a wide table (module docstring, "Derived counts"): the
-        counted begin with each row's used columns as its count and -1 past them, so
-        the device table is the caller's bit for bit and only ``[n, C]`` rows cross."""
-        used = self.counts
-        largest = table_threads.used_columns(table_src, count, used)
-        return self.begin(count, start_positions, table_src, used, host_offsets, -1,
-                          int(largest))
 
     def _prefix(self, name, tensor: Tensor, stop: int) -> Tensor:
         key = (name, stop)
@@ -207,7 +214,7 @@ class CountedRoute:
             entries = rows * columns
             table = self.buffers.block_table
             views = self._packed_view_cache[key] = (
-                self._begin.tensors[slot][1].view(-1)[:entries].view(rows, columns),
+                self._begin.tensors[slot].block_table.view(-1)[:entries].view(rows, columns),
                 self._begin.reuse_table.view(-1)[:entries].view(rows, columns),
                 table[:, :columns], table[:, columns:] if columns < width else None)
         return views
@@ -224,8 +231,9 @@ class CountedRoute:
         begin = self._begin
         ring = begin.ring
         slot = ring.acquire()
-        head_np, table_np = begin.arrays[slot]
-        packed = table_np.reshape(-1)[:count * columns].reshape(count, columns)
+        staged = begin.arrays[slot]
+        head_np = staged.head
+        packed = staged.block_table.reshape(-1)[:count * columns].reshape(count, columns)
         mark = (begin.table_at, self, columns, fill)
         known = self._known_rows[slot] if ring.last_mark == mark else 0
         table_threads.stage_counted_inputs(

@@ -1,4 +1,4 @@
-"""GPU tests that can fail for the bug they are named after (issue 16 §3). Skipped
+"""GPU tests that can fail for the bug they are named after. Skipped
 without CUDA; run by ``scripts/gpu_check.sh``.
 
 One detector covers every hidden sync and fence stall: the stream is put to sleep

@@ -304,7 +304,7 @@ def test_commit_pass_takes_the_draft_loop_rows_device_to_device():
     from the device (``n * W`` ids fewer host-to-device bytes than the same commit on
     a table that differs in one entry), and both views are the reference's, though a
     write behind the version counter (``.data``) changed ``block_table`` meanwhile:
-    the rows come from the private copy begin_decode filled (issue 23, F4)."""
+    the rows come from the private copy begin_decode filled."""
     from mtpmeta.bench.h2d import H2DCounter, StagingRecorder
 
     recorder = StagingRecorder()
