@@ -1,6 +1,6 @@
 """The mirror path's GPU hazards that plain CPU runs can still pin down.
 
-Each test names an invariant that CUDA's asynchronous copies and streams put at risk; the
+Each test names the invariant a CUDA engineer's review found at risk; the
 ordering hazards that need queued device work are in ``tests/test_cuda_sim.py``. Here:
 the capture guard, the per-slot device stages and where their fences are recorded, the
 stream fences record on, out-of-table device start positions, the documented read-backs
@@ -193,7 +193,7 @@ def test_each_forward_slot_has_its_own_device_stage_read_before_its_fence():
     journal = _Journal()
     meta = _mirror(_JournalRuntime(journal))
     view, _ = make_views(meta)
-    ring = meta._backend._forward_ring
+    ring = meta._backend.forward.ring
     stages = [ring.device_slots[k] for k in range(ring.num_slots)]
     assert len({stage.data_ptr() for stage in stages}) == ring.num_slots
     ranges = {}
@@ -344,5 +344,5 @@ def test_staging_slots_sizes_every_staging_ring(slots):
     meta = MTPMetadata(**config())
     meta.allocate("cpu", mirror=True, staging_slots=slots)
     backend = meta._backend
-    for ring in (backend._begin_ring, backend._lengths_ring, backend._forward_ring):
+    for ring in (backend.begin.ring, backend.prefill_lengths.ring, backend.forward.ring):
         assert ring.num_slots == slots

@@ -1,5 +1,4 @@
-"""The mirror path's draft depths and commit passes build nothing per shape:
-over steps whose counts change every time, once every (tensor, length) of
+"""The mirror path's draft depths and commit passes build nothing per shape: over steps whose counts change every time, once every (tensor, length) of
 the trace was seen, no layout, CopyPlan, cache entry or slice is built any more,
 however many steps follow; a placement's prefixes are warm after one slot saw their
 length (every slot lands in one device zone); and the views stay bit-exact with the
@@ -17,7 +16,8 @@ from mtpmeta.buffers.bounded_cache import BoundedCache
 from mtpmeta.buffers.layout import PackedLayout
 from mtpmeta.mirror.copy_plan import CopyPlan
 from mtpmeta.mirror.prefixes import Prefixes
-from mtpmeta.mirror.stages import CommitStage, _FixedStage
+from mtpmeta.mirror.commit_stage import CommitStage
+from mtpmeta.mirror.stages import FixedStage
 
 from .helpers import (assert_buffers_equal, assert_views_equal, config, make_reference,
                       make_view)
@@ -27,7 +27,7 @@ R, W, BS, TOKENS = 8, 6, 4, 40
 
 class Builds:
     """Counts layouts, CopyPlans, new keys of the mirror path's ``caches`` (the view's
-    plans, the backend's slices) and fixed-stage builds."""
+    plans, the view caches of the backend and its parts) and fixed-stage builds."""
 
     def __init__(self, monkeypatch, caches) -> None:
         self.count = 0
@@ -55,7 +55,19 @@ class Builds:
 
     def stages(self, target) -> int:
         return sum(stage.built for stage in target.plans.values()
-                   if isinstance(stage, _FixedStage))
+                   if isinstance(stage, FixedStage))
+
+
+def _view_caches(backend) -> tuple:
+    """The ``BoundedCache`` of views of the mirror backend and of each part it holds."""
+    return (backend._slices, backend.begin.views, backend.counted._views,
+            backend.prefill_lengths._views)
+
+
+def _view_keys(backend) -> set:
+    """Every ``(cache index, key)`` of ``_view_caches``."""
+    return {(index, key) for index, cache in enumerate(_view_caches(backend))
+            for key in cache}
 
 
 def _mirror_and_reference(requests: int, width: int):
@@ -116,7 +128,7 @@ def test_builds_stop_after_warm_up_and_views_match(monkeypatch, kind, table_dtyp
     ref = make_reference(**kwargs)
     view, ref_view = make_view(kind, R, TOKENS, W), make_view("reference", R, TOKENS, W)
     target = meta._memo.target(view)
-    builds = Builds(monkeypatch, (target.plans, meta._backend._slices))
+    builds = Builds(monkeypatch, (target.plans,) + _view_caches(meta._backend))
     rng = np.random.default_rng(0)
     tables = [rng.permutation(R * W).reshape(R, W).astype(np.int32) for _ in range(3)]
     counts = []
@@ -141,7 +153,7 @@ def test_counted_calls_stop_building_after_warm_up(monkeypatch):
     width, dummy = 40, config()["dummy_block_idx"]
     meta, ref, view, ref_view = _mirror_and_reference(R, width)
     target = meta._memo.target(view)
-    builds = Builds(monkeypatch, (target.plans, meta._backend._slices))
+    builds = Builds(monkeypatch, (target.plans,) + _view_caches(meta._backend))
     rng = np.random.default_rng(1)
     counts_seen = []
     begin_views = []  # the counted begin's (slot, C) views, after each phase
@@ -175,14 +187,14 @@ def test_counted_calls_stop_building_after_warm_up(monkeypatch):
                                     padded_request_count=padded_requests, **extra)
                 o.end_forward()
         counts_seen.append(builds.count + builds.stages(target) - before)
-        begin_views.append(set(meta._backend._packed_view_cache))
+        begin_views.append(set(meta._backend.counted._packed_view_cache))
         assert_views_equal(view, ref_view)
         assert_buffers_equal(meta, ref)
     assert counts_seen[0] > 0
     assert counts_seen[1] == 0, counts_seen
     # The begin's views are kept per (slot, C) only: none is added after the warm-up,
     # and no more than the slots times the C values (8 and 16 here) exist.
-    slots = meta._backend._begin_ring.num_slots
+    slots = meta._backend.begin.ring.num_slots
     assert begin_views[0] and begin_views[1] == begin_views[0], begin_views
     assert {c for _, c in begin_views[0]} <= {8, 16}
     assert len(begin_views[0]) <= 2 * slots
@@ -249,7 +261,7 @@ def test_a_new_real_token_count_builds_no_prefix(monkeypatch):
     real token count T is new each time (P, padded tokens and requests fixed) build
     nothing after the first; each view equals the reference's (pad tokens' request,
     position and pos id are never written, so a copy over more than T would show)."""
-    from mtpmeta.mirror.stages import PREBUILT_TOKENS
+    from mtpmeta.mirror.commit_stage import PREBUILT_TOKENS
 
     assert TOKENS <= PREBUILT_TOKENS
     meta, ref, view, ref_view = _mirror_and_reference(R, W)
@@ -291,7 +303,7 @@ def test_a_new_row_count_builds_no_prefix(monkeypatch):
         starts = rng.integers(0, (W - 1) * BS, size=n).astype(np.int32)
         if index == 1:
             builds[0] = 0
-            cached = (len(meta._memo.active), set(backend._slices))
+            cached = (len(meta._memo.active), _view_keys(backend))
         for o, target in ((meta, view), (ref, ref_view)):
             o.begin_decode(int(n), R, starts, table, False)
             for _ in range(2):
@@ -302,8 +314,9 @@ def test_a_new_row_count_builds_no_prefix(monkeypatch):
         assert_buffers_equal(meta, ref)
     assert builds[0] == 0, builds
     assert len(meta._memo.active) == cached[0]
-    new_keys = set(backend._slices) - cached[1]
-    assert {key[0] for key in new_keys} <= {"begin_h2d"}, new_keys  # per slot, bucket
+    new_keys = _view_keys(backend) - cached[1]
+    # Only the begin's H2D views (per slot and bucket) may be new.
+    assert {(index, key[0]) for index, key in new_keys} <= {(1, "begin_h2d")}, new_keys
 
 
 def test_begin_views_are_per_slot_and_bucket_of_rows():
@@ -312,7 +325,7 @@ def test_begin_views_are_per_slot_and_bucket_of_rows():
     every slot keep at most slots x 3 buckets of them (per (slot, n): up to 192); the
     buffers equal the reference's after every begin, and so does a commit pass that
     takes the rows from the device copy (the landed rows past n are never read)."""
-    from mtpmeta.mirror.backend import BEGIN_ROWS
+    from mtpmeta.mirror.begin_staging import BEGIN_ROWS
 
     requests = 3 * BEGIN_ROWS
     meta, ref, view, ref_view = _mirror_and_reference(requests, W)
@@ -333,9 +346,9 @@ def test_begin_views_are_per_slot_and_bucket_of_rows():
     assert_views_equal(view, ref_view)
     assert meta._backend.reused_table_rows == n
     backend = meta._backend
-    keys = [key for key in backend._slices if key[0] == "begin_h2d"]
+    keys = [key for key in backend.begin.views if key[0] == "begin_h2d"]
     assert {key[2] for key in keys} <= {BEGIN_ROWS, 2 * BEGIN_ROWS, 3 * BEGIN_ROWS}
-    assert 0 < len(keys) <= backend._begin_ring.num_slots * 3, len(keys)
+    assert 0 < len(keys) <= backend.begin.ring.num_slots * 3, len(keys)
 
 
 def test_length_classes_issue_the_pair_by_pair_copies(monkeypatch):
@@ -373,7 +386,7 @@ def test_length_classes_issue_the_pair_by_pair_copies(monkeypatch):
     run(((ref, ref_view),))
     assert_views_equal(view, ref_view)
     stages = [stage for stage in meta._memo.target(view).plans.values()
-              if isinstance(stage, _FixedStage)]
+              if isinstance(stage, FixedStage)]
     assert len(stages) == 2 and all(stage._single_group for stage in stages)
     for stage in stages:
         stage._single_group = False  # the pair-by-pair fallback from now on

@@ -1,4 +1,5 @@
-"""The mirror path's device hazards, under the CUDA-semantics simulator (``tests/cuda_sim.py``).
+"""The mirror path's device hazards under the CUDA-semantics simulator
+(``tests/cuda_sim.py``).
 
 Each section pins one hazard of the mirror path: device-route rows outside the table,
 persistent buffers shared by two streams, caller device tensors freed while queued
@@ -289,20 +290,20 @@ def test_staging_growth_is_geometric_and_frees_replaced_rings():
     backend = meta._backend
     rng = np.random.default_rng(0)
     table = host(rng.integers(0, R * W, size=(R, W)).astype(np.int32))
-    rings = [weakref.ref(backend._forward_ring)]
+    rings = [weakref.ref(backend.forward.ring)]
     for count in range(17, 1017):
         rows = host(rng.integers(0, R, size=count).astype(np.int32))
         positions = host(rng.integers(0, W * BS, size=count).astype(np.int32))
         meta.write_token_maps(view, rows, positions, table, count)
-        if rings[-1]() is not backend._forward_ring:
-            rings.append(weakref.ref(backend._forward_ring))
+        if rings[-1]() is not backend.forward.ring:
+            rings.append(weakref.ref(backend.forward.ring))
     gc.collect()
     assert len(rings) - 1 <= 8, f"{len(rings) - 1} re-sizes for 1,000 growing forwards"
     alive = [ring for ring in rings[:-1] if ring() is not None]
     assert not alive, f"{len(alive)} replaced rings still referenced"
     target = meta._memo.target(view)
     stale = [key for key in target.plans if isinstance(key, tuple) and key[0] == "args"
-             and key[1] != backend._generation]
+             and key[1] != backend.forward.generation]
     assert not stale, stale[:3]
     # The last forward's maps are exact.
     big = MTPMetadata(**kwargs)
@@ -423,7 +424,7 @@ def device_input_steps(sim: CudaSim, seed: int = 0):
 
 
 def test_device_inputs_take_the_device_route_and_match_the_reference(make_sim):
-    """Simulated device inputs reach ``mtpmeta.mirror.device_route.DeviceRoute`` (routed by the
+    """Simulated device inputs reach ``mirror_device.DeviceRoute`` (routed by the
     runtime, not ``tensor.is_cpu``), run with no sync, no hidden copy and no scan that
     allocates on CUDA, and every forward equals the reference's."""
     sim = make_sim(4)
@@ -506,9 +507,9 @@ def test_planted_begin_ring_is_the_one_made_pageable(make_sim):
         meta = MTPMetadata(**config())
         meta.allocate("cpu", mirror=True)
         backend = meta._backend
-        assert sim.kind(backend._begin_ring.host) == PAGEABLE
-        assert sim.kind(backend._forward_ring.device_slots) == DEVICE
-        assert sim.kind(backend._lengths_ring.host) != PAGEABLE
+        assert sim.kind(backend.begin.ring.host) == PAGEABLE
+        assert sim.kind(backend.forward.ring.device_slots) == DEVICE
+        assert sim.kind(backend.prefill_lengths.ring.host) != PAGEABLE
 
 
 def test_a_per_stream_capture_check_lets_a_fence_query_invalidate_another_capture(make_sim):

@@ -30,9 +30,10 @@ stream the loop's ``begin_decode`` ran on (contract §12).
 
 Cost note: 23 device ops per depth (``DEPTH_OPS``), 1 per advance, all inside the graph
 at replay; the host's only work per step is ``begin_decode``, the default route's own:
-2 H2D copies on the mirror path (the count and ``offsets[:n]`` together, since the
-count sits just before the offsets on both sides, then ``block_table[:n]``), no torch
-op on the direct path.
+2 data ops on the mirror path (one H2D copy of the count, the offsets and the table
+rows into the begin's landing, then one copy into ``draft_head[:n + 1]``, the count
+just before ``offsets``, and ``block_table[:n]``: ``BeginStaging.ship``), no torch op
+on the direct path.
 """
 
 from __future__ import annotations

@@ -100,7 +100,7 @@ def forward_pairs(view: Any, staged: Any, buffers: Any, minus_one: Tensor, token
                   lengths_count: int, device_rows: int,
                   device_table: Tensor) -> List[CopyPair]:
     """The copies that place one staged forward of the mirror path (its per-shape
-    route, ``ForwardStaging._flush`` in ``mirror_staging.py``) as ``(destination,
+    route, ``ForwardStaging.flush`` in ``forward_staging``) as ``(destination,
     source)`` pairs.
 
     ``view``/``staged``: the view's and the device stage's fields by name (the stage's

@@ -1,5 +1,6 @@
-"""The mirror path with the opt-in block counts (``mtpmeta.validation.block_counts``): a begin and
-a commit pass that read and ship only the used columns of their table.
+"""``CountedRoute``: the mirror path's begin and commit pass with block counts (the
+opt-in counts, ``mtpmeta.validation.block_counts``, or counts derived from a wide
+table), which read and ship only the used columns of their table.
 
 ``C = column_bucket(max count, W)`` (a power-of-two multiple of 8, capped at ``W``):
 the rows cross to the device as one contiguous ``[rows, C]`` block, so the host cost
@@ -10,16 +11,17 @@ most ``ceil(log2(W / 8)) + 1`` values), each taking its first rows per call, and
 commit ships a bucketed end (``CommitStage._packed_end``).
 
 * begin: the pinned begin slot's table region holds the packed ``[n, C]`` rows; one
-  H2D copy lands them in the private ``_reuse_table``'s storage (as a flat scratch),
+  H2D copy lands them in the private ``reuse_table``'s storage (as a flat scratch),
   one device copy places them in ``block_table[:n, :C]`` and one fill writes ``D`` over
   ``[:n, C:]``: 4 data ops with the head's H2D, two more than without counts (at
   ``C = W`` the rows are ``block_table[:n]``'s layout and land there: 2). The
   packed rows are the draft loop's host truth (``host_block_table``, ``[n, C]``: the
   used entries, ``D`` up to ``C``; the columns past ``C`` hold ``D`` by definition),
-  kept so at O(used) cost by per-slot widths (``native.draft_state.
-  stage_counted_inputs``: per slot its last ``C`` and each row's last count; a plain
-  begin, which writes the slot at width ``W``, forgets them). ``_reuse_table`` then
-  holds no rows a commit may take (``_device_table_rows = 0``).
+  kept so at O(used) cost by per-slot widths (``table_threads.stage_counted_inputs``:
+  each row's last count, valid while the begin ring's mark of the slot names this
+  route at the same ``C`` and fill; a plain begin, which writes the slot at width
+  ``W``, drops the mark). ``reuse_table`` then holds no rows a commit may take
+  (``BeginStaging.drop_rows``).
 * commit: no row is reused from the device; the commit stage's table region holds the
   packed ``[m, C]`` rows (``m`` the staged requests), shipped with the rest of the
   shadow; the one ``_foreach_copy_`` also writes whole rows ``[:m]`` from a device
@@ -32,7 +34,7 @@ Derived counts (the default route, no counts passed): a begin or commit pass who
 table has at least ``DERIVED_MIN_ENTRIES`` entries (``n * W``, ``P * W``) and at
 least ``DERIVED_MIN_WIDTH`` columns (``derives``) takes
 each row's count from the table itself, the columns before its trailing run of -1
-(``native.draft_state.used_columns``: one read of the rows, at read bandwidth), so the
+(``table_threads.used_columns``: one read of the rows, at read bandwidth), so the
 host writes only those columns, not whole rows; the device table and the view stay the
 caller's bit for bit.
 
@@ -64,13 +66,20 @@ from typing import Optional, Tuple
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from mtpmeta.buffers import persistent
+from mtpmeta.buffers.bounded_cache import BoundedCache
+from mtpmeta.buffers.persistent import PersistentBuffers
+from mtpmeta.gpu_view import ViewTarget
 from mtpmeta.kernels import native, table_threads
 from mtpmeta.kernels.counted import column_bucket, counted_commit, first_row_past_packed
-from mtpmeta.gpu_view import ViewTarget
+from mtpmeta.mirror.begin_staging import BeginStaging
+from mtpmeta.mirror.commit_stage import CommitStage
+from mtpmeta.mirror.forward_staging import ForwardStaging
 
-__all__ = ["CountedStaging", "DERIVED_MIN_ENTRIES", "DERIVED_MIN_WIDTH", "derives"]
+__all__ = ["CountedRoute", "DERIVED_MIN_ENTRIES", "DERIVED_MIN_WIDTH", "derives",
+           "packed_refusal"]
 
 _min_max = native.checks.min_max
 
@@ -87,42 +96,91 @@ def derives(entries: int, width: int) -> bool:
     return entries >= DERIVED_MIN_ENTRIES and width >= DERIVED_MIN_WIDTH
 
 
-class CountedStaging:
-    """Mixin of ``MirrorBackend``: its ``begin_decode`` / ``commit_pass`` with counts."""
+def packed_refusal(status: int, host_offsets: np.ndarray, host_table: np.ndarray,
+                   count: int, block_size: int, width: int) -> int:
+    """A depth's refusal ``status`` (``decode_step_maps``'s, offsets already in
+    ``[0, W)``) as it is on a ``W``-wide table when the host truth ``host_table`` is a
+    counted begin's ``[n, C]`` rows: the kernel skips (-1) a row whose column lies in
+    ``[C, W)``, which is past its count, so the first such row comes first."""
+    columns = host_table.shape[1]
+    if columns == width:
+        return status
+    row = first_row_past_packed(host_offsets, count, block_size, columns,
+                                -1 if status == -1 else -2 - status)
+    return status if row < 0 else -2 - row
 
-    def _init_counts(self, max_requests: int, width: int) -> None:
-        # [R] int32: W for every row (no counts) or the counts of the last begin.
-        self._full_counts = np.full(max_requests, width, dtype=np.int32)
-        self._counts = np.zeros(max_requests, dtype=np.int32)
+
+class CountedRoute:
+    """The begin and commit pass with counts, on the begin ring (``BeginStaging``) and
+    the forward ring's commit stages (``ForwardStaging``) that the backend also holds.
+
+    Holds ``counts`` ``[R]`` int32, the counts of the last counted begin (the host
+    truth's per-row counts after one); per begin slot, the count of each row its
+    packed rows were last written with (``[R]`` int32), valid for the leading
+    ``_known_rows[slot]`` rows while the begin ring's mark of the slot is
+    ``(table offset, this route, C, fill)``; the ``(slot, C)`` views of a counted
+    begin; and ``[R * W]`` int32 of ``D`` on the device, allocated at the first
+    counted commit pass that needs whole rows of it, never in a draft loop.
+    """
+
+    def __init__(self, buffers: PersistentBuffers, begin: BeginStaging,
+                 forward: ForwardStaging, *, max_requests: int, block_size: int,
+                 dummy: int) -> None:
+        self.buffers = buffers
+        self._begin = begin
+        self._forward = forward
+        self.max_requests = max_requests
+        self.block_size = block_size
+        self.dummy = dummy
+        self._width = buffers.block_table.shape[1]
+        self.counts = np.zeros(max_requests, dtype=np.int32)
         self._commit_used = np.zeros(max_requests + 1, dtype=np.int32)  # derived, [R + 1]
-        self.host_block_counts = self._full_counts
-        self._dummy_rows: Optional[torch.Tensor] = None  # [R * W] int32 of D, lazily
+        self._lengths = np.zeros(max_requests + 1, dtype=np.int32)  # kernel scratch
+        self._dummy_rows: Optional[Tensor] = None  # [R * W] int32 of D, lazily
         self._packed_view_cache: dict = {}  # (begin slot, C) -> _packed_views
-        # Per begin slot: the (C, fill) its packed rows were last written at, how many
-        # leading rows are known (none at first), and each known row's count (fill
-        # from it to C).
-        slots = self._begin_ring.num_slots
-        self._packed_columns = [(0, 0)] * slots  # (C, fill) per slot; C >= 1 once written
-        self.begin_derived = False  # the last begin was a counted one on derived counts
-        self._packed_rows = [0] * slots
-        self._packed_widths = [np.zeros(max_requests, dtype=np.int32) for _ in range(slots)]
+        slots = begin.ring.num_slots
+        self._known_rows = [0] * slots
+        self._widths = [np.zeros(max_requests, dtype=np.int32) for _ in range(slots)]
+        # Head views by a name and a count <= R + 1 (a slot's at most): never evicted.
+        self._views = BoundedCache(64 * (max_requests + 2))
 
-    def _begin_counted(self, count: int, start_positions: np.ndarray,
-                       table_src: np.ndarray, block_counts: np.ndarray,
-                       fill: Optional[int] = None, largest: Optional[int] = None) -> None:
-        """The begin with counts (offsets already checked); module docstring. ``fill``:
-        the rows' value past their counts (``D``; -1 for derived counts, which are the
-        caller's table); ``largest``: the largest count when the caller knows it."""
-        width = self._width
+    # ---------------------------------------------------------------------- begin
+    def begin(self, count: int, start_positions: np.ndarray, table_src: np.ndarray,
+              block_counts: np.ndarray, host_offsets: np.ndarray,
+              fill: Optional[int] = None, largest: Optional[int] = None) -> np.ndarray:
+        """The begin with counts (start positions already checked; module docstring):
+        ``host_offsets[:n]`` and ``counts[:n]`` take the offsets and counts; returns
+        the packed ``[n, C]`` rows, the draft loop's host truth. ``fill``: the rows'
+        value past their counts (``D``; -1 for derived counts, which are the caller's
+        table); ``largest``: the largest count when the caller knows it."""
         fill = self.dummy if fill is None else fill
         if largest is None:
             largest = int(_min_max(block_counts, count)[1])
-        columns = column_bucket(largest, width)
-        slot = self._stage_packed(count, start_positions, table_src, block_counts,
-                                  columns, fill)
-        head_t = self._begin_tensors[slot][0]
-        self._prefix("draft_head", self.buffers.draft_head, 0, count + 1).copy_(
-            self._prefix(("begin_head", slot), head_t, 0, count + 1), non_blocking=True)
+        columns = column_bucket(largest, self._width)
+        slot, packed = self._stage_packed(count, start_positions, table_src, block_counts,
+                                          columns, fill, host_offsets)
+        self._ship_packed(slot, count, columns, fill)
+        return packed
+
+    def begin_derived(self, count: int, start_positions: np.ndarray,
+                      table_src: np.ndarray, host_offsets: np.ndarray) -> np.ndarray:
+        """The default begin of a wide table (module docstring, "Derived counts"): the
+        counted begin with each row's used columns as its count and -1 past them, so
+        the device table is the caller's bit for bit and only ``[n, C]`` rows cross."""
+        used = self.counts
+        largest = table_threads.used_columns(table_src, count, used)
+        return self.begin(count, start_positions, table_src, used, host_offsets, -1,
+                          int(largest))
+
+    def _ship_packed(self, slot: int, count: int, columns: int, fill: int) -> None:
+        """The device side of a counted begin staged in ``slot`` (module docstring): the
+        head's H2D copy into ``draft_head[:n + 1]``, then the packed rows into
+        ``block_table[:n, :C]`` (through the landing when ``C < W``, ``fill`` over
+        ``[:n, C:]``); releases the slot. The landing then holds no reusable rows."""
+        begin = self._begin
+        self._prefix("draft_head", self.buffers.draft_head, count + 1).copy_(
+            self._prefix(("begin_head", slot), begin.tensors[slot].head, count + 1),
+            non_blocking=True)
         if count:
             staged, landing, first_columns, past_columns = self._packed_views(slot, columns)
             if past_columns is None:  # C = W: the packed rows are block_table's layout
@@ -132,19 +190,20 @@ class CountedStaging:
                 landing.copy_(staged[:count], non_blocking=True)
                 first_columns[:count].copy_(landing)
                 past_columns[:count].fill_(fill)
-        self._begin_ring.release(slot)
-        self._device_table_rows = 0  # _reuse_table holds packed rows, not [R, W] ones
+        begin.ring.release(slot)
+        begin.drop_rows()  # reuse_table holds packed rows, not [R, W] ones
 
-    @property
-    def named_counts(self) -> Optional[np.ndarray]:
-        """The counts a draft depth's refusal names: the caller's (a counted begin),
-        else None (whole rows, or derived counts: the caller passed none)."""
-        return None if self.begin_derived or self.host_block_counts is \
-            self._full_counts else self.host_block_counts
+    def _prefix(self, name, tensor: Tensor, stop: int) -> Tensor:
+        key = (name, stop)
+        value = self._views.get(key)
+        if value is None:
+            value = tensor[0:stop]
+            self._views.put(key, value)
+        return value
 
     def _packed_views(self, slot: int, columns: int) -> tuple:
         """``[R, C]`` views of a counted begin at ``C = columns``: begin ``slot``'s
-        pinned table region and the ``_reuse_table`` landing, both as contiguous
+        pinned table region and the ``reuse_table`` landing, both as contiguous
         ``C``-rows, and ``block_table[:, :C]`` and ``[:, C:]`` (None when ``C`` is
         ``W``); the caller takes their first ``n`` rows. Built once per ``(slot, C)``
         (at most ``slots * (ceil(log2(W / 8)) + 1)`` entries, whatever the shapes)."""
@@ -155,86 +214,58 @@ class CountedStaging:
             entries = rows * columns
             table = self.buffers.block_table
             views = self._packed_view_cache[key] = (
-                self._begin_tensors[slot][1].view(-1)[:entries].view(rows, columns),
-                self._reuse_table.view(-1)[:entries].view(rows, columns),
+                self._begin.tensors[slot].block_table.view(-1)[:entries].view(rows, columns),
+                self._begin.reuse_table.view(-1)[:entries].view(rows, columns),
                 table[:, :columns], table[:, columns:] if columns < width else None)
         return views
 
     def _stage_packed(self, count: int, start_positions: np.ndarray,
-                      table_src: np.ndarray, block_counts: np.ndarray,
-                      columns: int, fill: int) -> int:
-        """Take a begin slot and stage the head and the packed ``[n, C]`` rows
-        (``fill`` from each row's count to ``C``) there; they become the draft loop's
-        host truth. Returns the slot (released by the caller once its copies are
-        issued)."""
-        slot = self._begin_ring.acquire()
-        head_np, table_np = self._begin_arrays[slot]
-        packed = table_np.reshape(-1)[:count * columns].reshape(count, columns)
-        self._write_slot_rows(slot, packed, fill, count, start_positions,
-                              table_src, block_counts)
-        persistent.stage_count(head_np, count)
-        self.host_offsets[:count] = head_np[1:count + 1]
-        self.host_block_table = packed  # the host truth: the staged slot's [n, C] rows
-        self.host_block_counts = self._counts
-        return slot
-
-    def _write_slot_rows(self, slot: int, rows: np.ndarray, fill: int, count: int,
-                         start_positions: np.ndarray, table_src: np.ndarray,
-                         block_counts: np.ndarray) -> None:
-        """Write begin ``slot``'s head and ``rows`` (``[n, C]`` of its table region)
-        with ``stage_counted_inputs``: each row's used columns, ``fill`` after them,
-        and only where the slot's last rows may differ when they were written at the
-        same ``(C, fill)``; ``self._counts`` takes the counts."""
-        shape = (rows.shape[1], fill)  # a slot's rows are known only at the same C, fill
-        known = self._packed_rows[slot] if self._packed_columns[slot] == shape else 0
+                      table_src: np.ndarray, block_counts: np.ndarray, columns: int,
+                      fill: int, host_offsets: np.ndarray) -> Tuple[int, np.ndarray]:
+        """Take a begin slot and write its head and packed ``[n, C]`` rows (``fill``
+        from each row's count to ``C``) with ``stage_counted_inputs``: each row's used
+        columns, and only where the slot's last rows may differ when this route wrote
+        them at the same ``(C, fill)`` (the ring's mark); ``counts`` takes the counts.
+        Returns ``(slot, packed rows)``; the caller releases the slot once its copies
+        are issued."""
+        begin = self._begin
+        ring = begin.ring
+        slot = ring.acquire()
+        staged = begin.arrays[slot]
+        head_np = staged.head
+        packed = staged.block_table.reshape(-1)[:count * columns].reshape(count, columns)
+        mark = (begin.table_at, self, columns, fill)
+        known = self._known_rows[slot] if ring.last_mark == mark else 0
         table_threads.stage_counted_inputs(
             start_positions, table_src, block_counts, count, self.block_size, fill,
-            self._width, self._begin_arrays[slot][0][1:], rows, self._packed_widths[slot],
-            known, self._counts)
-        self._packed_columns[slot] = shape
-        self._packed_rows[slot] = max(known, count)
+            self._width, head_np[1:], packed, self._widths[slot], known, self.counts)
+        ring.marks[slot] = mark
+        self._known_rows[slot] = max(known, count)
+        persistent.stage_count(head_np, count)
+        host_offsets[:count] = head_np[1:count + 1]
+        return slot, packed
 
-    def _begin_derived(self, count: int, start_positions: np.ndarray,
-                       table_src: np.ndarray) -> None:
-        """The default begin of a wide table (module docstring, "Derived counts"): the
-        counted begin with each row's used columns as its count and -1 past them, so
-        the device table is the caller's bit for bit and only ``[n, C]`` rows cross."""
-        used = self._counts
-        largest = table_threads.used_columns(table_src, count, used)
-        self._begin_counted(count, start_positions, table_src, used, -1, int(largest))
-        self.begin_derived = True
-
-    def _packed_refusal(self, count: int, status: int) -> int:
-        """A depth's refusal ``status`` (``decode_step_maps``'s, offsets already in
-        ``[0, W)``) as it is on a ``W``-wide table when the host truth is a counted
-        begin's ``[n, C]`` rows: the kernel skips (-1) a row whose column lies in
-        ``[C, W)``, which is past its count, so the first such row comes first."""
-        columns = self.host_block_table.shape[1]
-        if columns == self._width:
-            return status
-        row = first_row_past_packed(self.host_offsets, count, self.block_size, columns,
-                                    -1 if status == -1 else -2 - status)
-        return status if row < 0 else -2 - row
-
-    def _commit_counted(self, target: ViewTarget, counts: np.ndarray,
-                        starts: Optional[np.ndarray], table: np.ndarray,
-                        inherited: Optional[np.ndarray], block_counts: np.ndarray,
-                        padded_tokens: int, pad_tokens: int, min_padded_requests: int,
-                        padded_requests: int) -> Tuple[int, int, int, int]:
+    # --------------------------------------------------------------------- commit
+    def commit(self, target: ViewTarget, counts: np.ndarray, starts: Optional[np.ndarray],
+               table: np.ndarray, inherited: Optional[np.ndarray],
+               block_counts: np.ndarray, padded_tokens: int, pad_tokens: int,
+               min_padded_requests: int, padded_requests: int
+               ) -> Tuple[int, int, int, int]:
         """The commit pass with counts; module docstring. Returns as ``commit_pass``."""
-        stage = self._commit_stage(target)
+        forward = self._forward
+        stage = forward.commit_stage(target)
         if stage is None or padded_tokens > stage.cap or padded_requests > stage.requests:
-            slot, layout, token_args, request_args = self._shadow(
+            slot, layout, token_args, request_args = forward.shadow(
                 target, padded_tokens, padded_requests, padded_requests)
-            result = self._commit_kernel(counts, starts, table, inherited, block_counts,
-                                         padded_tokens, pad_tokens, min_padded_requests,
-                                         target, token_args, request_args,
-                                         np.zeros(padded_requests + 1, np.int32), 0)
+            result = self._kernel(counts, starts, table, inherited, block_counts,
+                                  padded_tokens, pad_tokens, min_padded_requests, target,
+                                  token_args, request_args,
+                                  np.zeros(padded_requests + 1, np.int32), 0)
             if result[0] < 0:
-                self._forward_ring.release(slot)
+                forward.ring.release(slot)
                 return result
-            self._flush(target, slot, layout, padded_tokens, result[0], result[2],
-                        "query", result[1], 0, reused=True)
+            forward.flush(target, slot, layout, padded_tokens, result[0], result[2],
+                          "query", result[1], 0, reused=True)
             return result
         columns = column_bucket(int(_min_max(block_counts, counts.shape[0])[1]),
                                 target.width)
@@ -242,17 +273,17 @@ class CountedStaging:
                                    block_counts, columns, self.dummy, padded_tokens,
                                    pad_tokens, min_padded_requests, padded_requests)
 
-    def _commit_derived(self, target: ViewTarget, counts: np.ndarray,
-                        starts: Optional[np.ndarray], table: np.ndarray,
-                        inherited: Optional[np.ndarray], padded_tokens: int,
-                        pad_tokens: int, min_padded_requests: int, padded_requests: int
-                        ) -> Optional[Tuple[int, int, int, int]]:
+    def commit_derived(self, target: ViewTarget, counts: np.ndarray,
+                       starts: Optional[np.ndarray], table: np.ndarray,
+                       inherited: Optional[np.ndarray], padded_tokens: int,
+                       pad_tokens: int, min_padded_requests: int, padded_requests: int
+                       ) -> Optional[Tuple[int, int, int, int]]:
         """The default commit pass of a wide table, packed (module docstring, "Derived
         counts"), at ``C`` up to ``W`` (rows that use most of the width then cross whole,
         the table still read once); None, with nothing staged, when no fixed stage fits
         or when a full batch's last request absorbs the pad (its cut puts ``D`` past
         ``C``)."""
-        stage = self._commit_stage(target)
+        stage = self._forward.commit_stage(target)
         num_prefill = counts.shape[0]
         if stage is None or padded_tokens > stage.cap or \
                 padded_requests > stage.requests or \
@@ -265,7 +296,7 @@ class CountedStaging:
                                    columns, -1, padded_tokens, pad_tokens,
                                    min_padded_requests, padded_requests)
 
-    def _commit_packed(self, stage, target: ViewTarget, counts: np.ndarray,
+    def _commit_packed(self, stage: CommitStage, target: ViewTarget, counts: np.ndarray,
                        starts: Optional[np.ndarray], table: np.ndarray,
                        inherited: Optional[np.ndarray], block_counts: np.ndarray,
                        columns: int, fill: int, padded_tokens: int, pad_tokens: int,
@@ -274,7 +305,7 @@ class CountedStaging:
         """A commit pass on the fixed ``stage`` whose rows ship packed at ``columns``
         columns, ``fill`` past ``block_counts``; whole rows of ``fill`` (of ``D`` for the
         pad request) and -1 (the pad rows) complete them on the device."""
-        ring = self._forward_ring
+        ring = self._forward.ring
         slot = ring.acquire()
         token_args, request_args = stage.args(slot)
         packed = request_args[4].reshape(-1)[:padded_requests * columns].reshape(
@@ -283,10 +314,10 @@ class CountedStaging:
         # them last.
         mark = stage.packed_mark(columns, fill)
         known_rows = stage.known_rows[slot] if ring.last_mark == mark else 0
-        result = self._commit_kernel(counts, starts, table, inherited, block_counts,
-                                     padded_tokens, pad_tokens, min_padded_requests,
-                                     target, token_args, request_args[:4] + (packed,),
-                                     stage.known[slot], known_rows, fill)
+        result = self._kernel(counts, starts, table, inherited, block_counts,
+                              padded_tokens, pad_tokens, min_padded_requests, target,
+                              token_args, request_args[:4] + (packed,), stage.known[slot],
+                              known_rows, fill)
         ring.marks[slot] = mark  # refused or not, the kernel wrote by the bookkeeping
         stage.known_rows[slot] = max(known_rows, padded_requests) if result[0] >= 0 \
             else known_rows
@@ -295,35 +326,37 @@ class CountedStaging:
             return result
         total, staged, padded_requests, _ = result
         num_prefill = counts.shape[0]
+        minus_one = self._forward.minus_one
         wholes = []
         if columns < target.width:
             if fill == self.dummy:
                 wholes.append((self._dummy_block(), 0, staged))
             else:
-                wholes.append((self._minus_one, 0, min(num_prefill, staged)))
+                wholes.append((minus_one, 0, min(num_prefill, staged)))
                 if staged > num_prefill:
                     wholes.append((self._dummy_block(), num_prefill, staged))
-        wholes.append((self._minus_one, staged, padded_requests))
+        wholes.append((minus_one, staged, padded_requests))
         stage.flush_counted(slot, padded_tokens, total, padded_requests, staged, columns,
                             wholes)
         ring.release(slot)
         return result
 
-    def _commit_kernel(self, counts, starts, table, inherited, block_counts,
-                       padded_tokens, pad_tokens, min_padded_requests, target, token_args,
-                       request_args, known, known_rows, fill=None):
+    def _kernel(self, counts, starts, table, inherited, block_counts, padded_tokens,
+                pad_tokens, min_padded_requests, target, token_args, request_args, known,
+                known_rows, fill=None):
         return counted_commit(
             counts, starts, table, inherited, block_counts, padded_tokens, pad_tokens,
             self.max_requests, min_padded_requests, self.block_size, self.dummy,
-            self.buffers.block_table.shape[1], target.token_block_range[1],
-            self._scratch_q, token_args, request_args, known, known_rows, fill)
+            self._width, target.token_block_range[1], self._lengths, token_args,
+            request_args, known, known_rows, fill)
 
-    def _dummy_block(self) -> torch.Tensor:
+    def _dummy_block(self) -> Tensor:
         """``[R * W]`` int32 of ``D`` on the device, the source of a counted commit's
         whole rows (allocated at the first counted commit pass, never in a draft loop)."""
         block = self._dummy_rows
         if block is None:
-            block = torch.full(self._minus_one.shape, self.dummy, dtype=torch.int32,
-                               device=self.device)
+            minus_one = self._forward.minus_one
+            block = torch.full(minus_one.shape, self.dummy, dtype=torch.int32,
+                               device=minus_one.device)
             self._dummy_rows = block
         return block

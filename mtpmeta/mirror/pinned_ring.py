@@ -36,7 +36,7 @@ class StagingRing:
     same size that the slot's H2D copy lands in and the device ops then read: one per
     slot, so a forward on another stream can never overwrite it mid-scatter, and it is
     covered by the same fence. ``zone`` is one more such device buffer, shared by every
-    slot (the fixed stages of ``shadow_stage.py`` land there): its users order its
+    slot (the fixed stages of ``stages`` land there): its users order its
     reuse across streams themselves (``StreamOrder``), never by a fence.
     """
 

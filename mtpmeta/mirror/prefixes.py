@@ -1,5 +1,5 @@
 """``Prefixes``: the cached prefix and row-range views of one tensor that a placement
-copies into or from (``shadow_stage``'s fixed stages, ``device_loop``'s planned
+copies into or from (``stages``' fixed stages, ``device_draft_plan``'s planned
 depths). A view costs about 8k instructions to build (a torch slice) and nothing to
 look up again, so each ``[:k]`` is built once per tensor, on first use or ahead of it
 (``fill``).

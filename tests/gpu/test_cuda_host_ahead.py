@@ -1,4 +1,4 @@
-"""GPU tests that can fail for the bug they are named after (issue 16 §3). Skipped
+"""GPU tests that can fail for the bug they are named after. Skipped
 without CUDA; run by ``scripts/gpu_check.sh``.
 
 One detector covers every hidden sync and fence stall: the stream is put to sleep
@@ -151,7 +151,7 @@ def _two_overlapping_streams(share_stage: bool, rounds: int = 96):
     meta = MTPMetadata(**CONFIG.metadata_kwargs())
     with use_runtime(TorchRuntime()):
         meta.allocate(CUDA, staging_slots=32)
-    ring = meta._backend._forward_ring
+    ring = meta._backend.forward.ring
     if share_stage:  # installed through the ring's device_slots, not the library code
         ring.device_slots = ring.device_slots[:1].expand_as(ring.device_slots)
     views = [ContextGPUView(R, TOKENS, W, CUDA) for _ in range(rounds)]

@@ -87,8 +87,8 @@ def test_mirror_path_matches_reference_on_cuda():
 def test_staging_memory_is_pinned():
     meta, _ = _gpu()
     backend = meta._backend
-    for ring in (backend._begin_ring, backend._lengths_ring, backend._forward_ring,
-                 backend._carry_ring):
+    for ring in (backend.begin.ring, backend.prefill_lengths.ring, backend.forward.ring,
+                 backend.carry.ring):
         assert ring.host.is_pinned()
     assert meta.request_matched_prefix_blocks.is_pinned()
 
@@ -223,7 +223,7 @@ def _run_stress(runtime, rounds=24, T=32):
     expected = _expected_buffers(table, rows, pos, T + 8)
     meta, view = _gpu(runtime)
     snaps = torch.zeros((rounds, view.buffer.numel()), dtype=torch.uint8, device=CUDA)
-    slots = meta._backend._forward_ring.num_slots
+    slots = meta._backend.forward.ring.num_slots
     # Warm every kernel first: a lazily loaded module's first launch can synchronise
     # the context inside the window, which would make the result depend on test order.
     meta.write_token_maps(view, rows[0], pos[0], table, T + 8)
@@ -304,7 +304,7 @@ def test_commit_pass_takes_the_draft_loop_rows_device_to_device():
     from the device (``n * W`` ids fewer host-to-device bytes than the same commit on
     a table that differs in one entry), and both views are the reference's, though a
     write behind the version counter (``.data``) changed ``block_table`` meanwhile:
-    the rows come from the private copy begin_decode filled (issue 23, F4)."""
+    the rows come from the private copy begin_decode filled."""
     from mtpmeta.bench.h2d import H2DCounter, StagingRecorder
 
     recorder = StagingRecorder()
