@@ -287,14 +287,15 @@ def test_cli_trace_reports_progress_first_and_each_section_as_it_goes(monkeypatc
     assert all(line.startswith("mtpmeta bench: ") for line in err.splitlines())
     out = "".join(o for o, _ in seen_before_work) + rest.out
     lines = out.splitlines()
-    assert any(line.startswith("capacity: the mirror path's µs per step at W 32 are ")
-               and "those at W 8 on the same traffic" in line for line in lines)
+    assert any(line.startswith("capacity, µs per step at W 32 over W 8 on the same "
+                               "traffic: mirror ")
+               and ", mirror, block counts " in line for line in lines), lines
     assert lines[-1].startswith("verdict: every timed path left the reference's views "
                                 "and buffers on the checked trace steps (standard 6, "
                                 "production 3, production W 8192 3; CPU)"), lines[-1]
     for name in TINY_GEOMETRIES:
         assert f"{name} mirror " in lines[-1]
-    assert "; mirror µs at W 32 over W 8: " in lines[-1]
+    assert "; µs per step at W 32 over W 8 on the same traffic: mirror " in lines[-1]
 
 
 def test_every_timed_row_is_checked_and_has_its_baseline():

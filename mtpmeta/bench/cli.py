@@ -96,7 +96,8 @@ def _parser() -> ToolParser:
                         "continuous-batching traces (standard R 256 W 128, production "
                         "R 1024 W 2048 and W 8192) through every path, checked against "
                         "the reference, then timed on the meta device (the host's share "
-                        "of a GPU step); several minutes, 1 with --quick")
+                        "of a GPU step); the full traces take many minutes, --quick "
+                        "about one")
     return parser
 
 

@@ -298,10 +298,8 @@ def run_trace(args: Any) -> int:
         print(format_trace(name, out[name]), flush=True)
     growth = _width_growth(out)
     if growth is not None:
-        print(f"capacity: the mirror path's µs per step at W {growth[2]} are "
-              f"{growth[0]:.2f}x those at W {growth[1]} on the same traffic (host cost "
-              f"follows the blocks in use, not the table's width, when this stays near 1)",
-              flush=True)
+        print(f"capacity, {_growth_text(growth)} (near 1: the host cost follows the "
+              f"blocks in use, not the table's width)", flush=True)
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"trace": out}, handle, indent=2, default=str)
@@ -310,19 +308,27 @@ def run_trace(args: Any) -> int:
     return 0
 
 
-def _width_growth(out: Dict[str, Any]) -> Optional[Tuple[float, int, int]]:
-    """``(growth, W, wide W)``: the mirror row's µs on the wide production table over
-    the production one (the same traffic), when both ran."""
+def _width_growth(out: Dict[str, Any]) -> Optional[Tuple[Dict[str, float], int, int]]:
+    """``({label: growth}, W, wide W)``: each meta row's µs on the wide production
+    table over the production one (the same traffic), when both geometries ran."""
     if "production" not in out or "production W 8192" not in out:
         return None
     narrow, wide = out["production"], out["production W 8192"]
-    growth = wide["rows"]["mirror @meta"]["median_us"] / narrow["rows"]["mirror @meta"][
-        "median_us"]
+    growth = {row["label"]: row["median_us"] / narrow["rows"][key]["median_us"]
+              for key, row in wide["rows"].items()
+              if row["device"] == "meta" and row["path"] != "reference"
+              and key in narrow["rows"]}
     return growth, narrow["geometry"]["W"], wide["geometry"]["W"]
 
 
+def _growth_text(growth: Tuple[Dict[str, float], int, int]) -> str:
+    ratios, narrow, wide = growth
+    return (f"µs per step at W {wide} over W {narrow} on the same traffic: "
+            + ", ".join(f"{label} {ratio:.2f}x" for label, ratio in ratios.items()))
+
+
 def verdict_line(out: Dict[str, Any], checked: Dict[str, int],
-                 growth: Optional[Tuple[float, int, int]] = None) -> str:
+                 growth: Optional[Tuple[Dict[str, float], int, int]] = None) -> str:
     """The run in one line: the traces checked, and per geometry the reference's µs
     over the mirror path's and the captured loop's on meta, and the fastest row's."""
     parts = []
@@ -336,8 +342,7 @@ def verdict_line(out: Dict[str, Any], checked: Dict[str, int],
         parts.append(f"{name} " + ", ".join(
             f"{row['label']} {row['speedup_vs_reference']:.2f}x" for row in shown))
     steps = ", ".join(f"{name} {count}" for name, count in checked.items())
-    capacity = "" if growth is None else (
-        f"; mirror µs at W {growth[2]} over W {growth[1]}: {growth[0]:.2f}x")
+    capacity = "" if growth is None else f"; {_growth_text(growth)}"
     return (f"verdict: every timed path left the reference's views and buffers on the "
             f"checked trace steps ({steps}; CPU); the reference's host µs per step over "
             f"each path's on meta (the host's share of a GPU step): {'; '.join(parts)}"
