@@ -65,6 +65,7 @@ CUDA_MISSING = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a mac
     (["--block-columns", "4"], "--block-columns 4 x --block-size 64 holds 256 tokens"),
     (["--json", "/nonexistent/dir/x.json"], "the directory /nonexistent/dir does not exist"),
     (["--sweep"], "unrecognized arguments: --sweep"),
+    (["--trace", "--instructions"], "--device and --instructions apply to the standard"),
     (["--frobnicate"], "unrecognized arguments: --frobnicate"),
 ])
 def test_bench_rejects_a_bad_option_in_one_line_before_any_work(no_work, capsys, flags,

@@ -131,6 +131,9 @@ def _usage_problem(args) -> Optional[str]:
     problem = device_problem(args.device) or _config_problem(args)
     if args.json is not None:
         problem = problem or output_problem("--json", args.json)
+    if args.trace and (args.instructions or args.device != "cpu"):
+        problem = problem or ("--trace times the meta device and the CPU; --device and "
+                              "--instructions apply to the standard step only")
     if args.instructions and problem is None:
         reason = unavailable()
         if reason:
