@@ -93,7 +93,13 @@ def callgrind_regions(body: str, *, timeout: float = 600) -> Dict[str, int]:
         command = [shutil.which("valgrind"), "--tool=callgrind", "--instr-atstart=no",
                    f"--callgrind-out-file={out}", "--dump-line=no", sys.executable,
                    "-c", source]
-        env = {**os.environ, "PYTHONHASHSEED": "0"}
+        # The child counts the mtpmeta this process runs, wherever it was imported from
+        # (a source tree on sys.path may shadow an installed copy).
+        package_root = os.path.dirname(os.path.dirname(os.path.dirname(
+            os.path.abspath(__file__))))
+        paths = [package_root] + [p for p in os.environ.get("PYTHONPATH", "").split(
+            os.pathsep) if p]
+        env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONPATH": os.pathsep.join(paths)}
         result = subprocess.run(command, capture_output=True, text=True, env=env,
                                 timeout=timeout)
         if result.returncode != 0:
