@@ -160,11 +160,11 @@ def _counts(replay: Replay, trace: List[TraceStep]) -> Dict[str, Any]:
 
 
 def _replay(row: TraceRow, config: TraceConfig, known: List[List[int]]) -> Replay:
-    answers = row.device == "meta" and row.path in ("reference", "drop-in")
+    """``row``'s replay; on meta, a path that reads back gets the host's values."""
     return Replay(row.path, config, torch.device(row.device),
                   table_device=row.device if row.device_inputs else "cpu",
-                  known=known if answers else None, counts=row.block_counts,
-                  table_threads=row.table_threads)
+                  known=known if row.device == "meta" else None,
+                  counts=row.block_counts, table_threads=row.table_threads)
 
 
 def _runtime_calls(row: TraceRow, config: TraceConfig, trace: List[TraceStep],

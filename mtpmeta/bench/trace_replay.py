@@ -102,8 +102,8 @@ def _drop_in(config: TraceConfig, device: torch.device):
 
 #: How each path's ``(metadata, view)`` is built for a trace geometry on a device: the
 #: one place a new path joins the replay (``trace_bench.ROWS`` then names it in a row).
-#: A path whose metadata answers read-backs from the host on ``meta`` (``known``) is a
-#: ``HostKnownReference``. ``captured`` is the mirror path whose draft loop is its host
+#: A path whose metadata must answer read-backs from the host on ``meta`` is a
+#: ``HostKnownReference`` (a :class:`Replay` hands it the values the host knows). ``captured`` is the mirror path whose draft loop is its host
 #: side only (:class:`Replay`).
 PATHS: Dict[str, Callable[[TraceConfig, torch.device], Tuple[Any, Any]]] = {
     "reference": _reference,
@@ -135,7 +135,8 @@ class Replay:
                                 dtype=torch.int32)
         self.draft_table = (self.table if table_device == "cpu" else
                             self.table.to(table_device))  # begin_decode's
-        self.known = known  # per step, for a reference on meta
+        # per step, for a path that answers its read-backs from the host (on meta)
+        self.known = known if isinstance(self.meta, HostKnownReference) else None
         self.captured = path == "captured"
         self.depths = depths or not self.captured
 
