@@ -96,8 +96,8 @@ def _parser() -> ToolParser:
                         "continuous-batching traces (standard R 256 W 128, production "
                         "R 1024 W 2048 and W 8192) through every path, checked against "
                         "the reference, then timed on the meta device (the host's share "
-                        "of a GPU step); the full traces take many minutes, --quick "
-                        "about one")
+                        "of a GPU step); a few minutes (about 4 on a 2-CPU machine), "
+                        "--quick about one")
     return parser
 
 
