@@ -1,8 +1,8 @@
-"""Per-step host CPU µs of the mirror path over a trace of random shapes, fresh vs warm
-(issue 24 item 2). Usage: ``python scripts/fresh_vs_warm.py [repeats] [warm-up steps]``,
+"""Per-step host CPU µs of the mirror path over a trace of random shapes, fresh vs warm:
+what a never-seen shape costs over a repeated one. Usage: ``python scripts/fresh_vs_warm.py [repeats] [warm-up steps]``,
 or ``python scripts/fresh_vs_warm.py --instructions`` for instructions per step under
 callgrind (one run each; repeatable, unlike the times on a shared machine; ~3 min),
-or ``python scripts/fresh_vs_warm.py --trace`` for the same on issue 24's own traces
+or ``python scripts/fresh_vs_warm.py --trace`` for the same on the seeded traces
 (``mtpmeta bench --trace``'s, ~2 min).
 
 Every step draws its active count n (154-208 at the standard geometry, 615-810 at the
@@ -35,8 +35,7 @@ import numpy as np
 import torch
 
 from mtpmeta import ContextGPUView, MTPMetadata
-from mtpmeta.bench.production import PRODUCTION
-from mtpmeta.bench.workload import StepConfig, make_steps, run_step
+from mtpmeta.bench.workload import PRODUCTION, StepConfig, make_steps, run_step
 from mtpmeta.buffers.layout import round_up
 
 GEOMETRIES = {"standard": (StepConfig(), (154, 208), 40),
@@ -161,7 +160,8 @@ def trace_regions(region) -> None:
     """Child side of ``trace_instructions``."""
     from mtpmeta.bench.meta_device import cpp_meta_kernels
     from mtpmeta.bench.trace import PRODUCTION_TRACE, STANDARD_TRACE, make_trace
-    from mtpmeta.bench.trace_replay import CountingRuntime, Replay, known_syncs
+    from mtpmeta.bench.counters import CountingRuntime
+    from mtpmeta.bench.trace_replay import Replay, known_syncs
     from mtpmeta.buffers.device_runtime import use_runtime
 
     def prepare_only(r, steps):  # Replay.replay without the calls it times

@@ -1,6 +1,6 @@
 """The default route's table passes against the floors of reading and of copying the
-same rows, in place (issue 24 item 5: the guarantee the production target cannot be
-met without).
+same rows, in place: how far the production geometry's table passes are from the least
+a pass that must see every entry can cost.
 
 Usage: ``python scripts/table_pass_floor.py [steps]`` (default 60; about 1 min).
 
@@ -27,7 +27,8 @@ import torch
 from mtpmeta import native
 from mtpmeta.bench.meta_device import cpp_meta_kernels
 from mtpmeta.bench.trace import PRODUCTION_TRACE, make_trace
-from mtpmeta.bench.trace_replay import CountingRuntime, Replay
+from mtpmeta.bench.counters import CountingRuntime
+from mtpmeta.bench.trace_replay import Replay
 from mtpmeta.buffers.device_runtime import use_runtime
 
 

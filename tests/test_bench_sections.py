@@ -1,5 +1,6 @@
-"""The bench sections of issue 17: fresh shapes, H2D byte counts, the width sweep's
-byte column and upstream's flow. Counts and shapes only; no timing is asserted."""
+"""The bench's device-traffic counts: host-to-device bytes of the mirror path against
+upstream's flow, and the production-size step they are counted on. Counts and shapes
+only; no timing is asserted."""
 
 from __future__ import annotations
 
@@ -7,27 +8,10 @@ import numpy as np
 import torch
 
 from mtpmeta import ContextGPUView, MTPMetadata
-from mtpmeta.bench.fresh_shapes import fresh_steps
-from mtpmeta.bench.h2d import H2DCounter, StagingRecorder
-from mtpmeta.bench.production import production_steps, upstream_h2d_bytes
-from mtpmeta.bench.workload import StepConfig, make_steps
+from mtpmeta.bench.counters import H2DCounter, StagingRecorder, measure_traffic, \
+    upstream_h2d_bytes
+from mtpmeta.bench.workload import StepConfig, make_steps, production_steps
 from mtpmeta.buffers.device_runtime import use_runtime
-
-
-def test_fresh_steps_never_repeat_a_shape():
-    """A memoized plan must never be the reason the fresh-shapes row is fast: no two
-    steps share an active count, a padded count, a commit size (requests) or a prefill
-    chunk size."""
-    config = StepConfig()
-    steps = fresh_steps(config, 20, seed=3)
-    actives = [c.active for c, _ in steps]
-    padded = [c.padded_active for c, _ in steps]
-    commit_requests = [s.append_counts.numel() for _, s in steps]
-    prefills = [int(s.append_counts[-1]) for _, s in steps]
-    for values in (actives, padded, commit_requests, prefills):
-        assert len(set(values)) == len(values), values
-    for step_config, inputs in steps:
-        assert inputs.start_positions.numel() == step_config.active
 
 
 def _mirror(config: StepConfig):
@@ -85,75 +69,15 @@ def test_production_positions_spread_like_context_lengths():
     assert step.start_positions.dtype == torch.int32
 
 
-def test_width_sweep_reports_the_mirror_bytes_flat_over_widths():
-    """The sweep's byte column: the mirror path's per-depth H2D payload is the same at
-    every width (no table through the host per depth); the direct path's instructions
-    or µs are reported for every width. Wall clock here (no callgrind in the test)."""
-    from mtpmeta.bench.sweep_width import format_width_sweep, width_sweep
-
-    spread = {}
-    result = width_sweep((16, 128), active=8, repeats=2, instructions=False,
-                         spread=spread)
-    assert result["h2d_bytes_per_depth"][16] == result["h2d_bytes_per_depth"][128] > 0
-    assert set(result["per_depth"]) == {"mirror", "direct", "reference"}
-    assert all(set(row) == {16, 128} for row in result["per_depth"].values())
-    assert "W 128 / W 16" in format_width_sweep(result)
-    assert "(target <= 1.2x; the target is for instruction counts (--instructions)" in \
-        format_width_sweep(result)
-    # The plot's bars: each cell's lowest and highest of the 2 passes around its median.
-    assert set(spread) == set(result["per_depth"])
-    for path, row in result["per_depth"].items():
-        for width, median in row.items():
-            low, high = spread[path][width]
-            assert low <= median <= high
-    assert "spread" not in result  # the JSON keeps its keys
-
-
-def test_batch_sweep_fills_the_per_pass_spread():
-    from mtpmeta.bench.measure import sweep
-
-    config = StepConfig(max_requests=32, active=16, block_columns=16, block_size=16,
-                        prefill_tokens=32, depths=2)
-    spread = {}
-    result = sweep(config, [4, 8], 2, torch.device("cpu"), 1, spread=spread)
-    assert set(spread) == set(result) == {"reference", "direct", "mirror"}
-    for name, row in result.items():
-        assert set(spread[name]) == {4, 8}
-        for active, median in row.items():
-            low, high = spread[name][active]
-            assert low <= median <= high
-
-
-def test_fresh_shapes_explain_a_path_slower_than_the_reference():
-    from mtpmeta.bench.fresh_shapes import format_fresh_shapes
-
-    result = {"count": 4, "fresh_us_per_step": {"reference": 100.0, "direct": 20.0,
-                                                "mirror": 128.0},
-              "repeated_us_per_step": {"reference": 90.0, "direct": 5.0, "mirror": 40.0}}
-    text = " ".join(format_fresh_shapes(result).split())
-    assert "reference/path fresh 0.78x" in text
-    assert ("reference/path below 1x (mirror): slower than the reference when no shape "
-            "repeats, because each new shape builds that path's plans") in text
-    result["fresh_us_per_step"]["mirror"] = 60.0
-    assert "below 1x" not in format_fresh_shapes(result)
-    assert "first use" not in format_fresh_shapes(result)
-    result["first_use_ms"] = {"reference": 1.5, "direct": 2.25, "mirror": 40.0}
-    text = " ".join(format_fresh_shapes(result).split())
-    assert ("first use of a new object (build, allocate, one step), ms: reference 1.5, "
-            "direct 2.2, mirror 40.0 (the mirror path builds its views") in text
-
-
-def test_production_section_counts_bytes_and_ops_of_every_row():
+def test_traffic_counts_bytes_and_ops_of_the_mirror_path_and_the_reference():
     """At a small size: the mirror path moves the draft table once (begin_decode) and,
     of the commit's table, only the row the draft loop's device table does not hold
     (the prefill row), so its bytes per step are under upstream's flow (both tables);
     its data ops per step are the 14 of the op budget."""
-    from mtpmeta.bench.production import format_production, measure_production
-
     config = StepConfig(max_requests=24, block_columns=256, block_size=16, active=16,
                         prefill_tokens=16, inherited_blocks=1, moves=2, swaps=1,
                         resets=2)
-    result = measure_production(config, steps=1, repeats=1)
+    result = measure_traffic(config, steps=1)
     h2d = result["h2d_bytes_per_step"]
     tables = 16 * 256 * 4 + 1 * 256 * 4  # begin's [n, W]; the commit's row n
     assert tables < h2d["mirror"] < tables + 16 * 1024
@@ -161,6 +85,5 @@ def test_production_section_counts_bytes_and_ops_of_every_row():
     # Commit first: it follows the previous step's draft loop on another table.
     both = 16 * 256 * 4 + 17 * 256 * 4
     assert both < h2d["mirror, commit first"] < both + 16 * 1024
-    assert result["ops_per_step"]["mirror (CPU-forced)"] == {"data_ops": 14, "syncs": 0}
+    assert result["ops_per_step"]["mirror"] == {"data_ops": 14, "syncs": 0}
     assert result["ops_per_step"]["reference"]["syncs"] == 5
-    assert "host-to-device bytes per step" in format_production(result)

@@ -1,5 +1,5 @@
-"""The seeded trace of ``mtpmeta bench --trace`` (issue 24): its generator, its replay,
-the meta-device setup and the command line. Counts and bytes only, never times."""
+"""The seeded trace of ``mtpmeta bench --trace``: its generator, its replay, the
+meta-device setup and the command line. Counts and bytes only, never times."""
 
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ from hypothesis import strategies as st
 import mtpmeta.bench.trace_bench as trace_bench
 import mtpmeta.bench.trace_replay as trace_replay
 from mtpmeta.bench import cli as bench_cli
+from mtpmeta.bench.counters import CountingRuntime, OpCounter
 from mtpmeta.bench.meta_device import cpp_meta_kernels, python_meta_active
-from mtpmeta.bench.opcount import OpCounter
 from mtpmeta.bench.trace import PRODUCTION_TRACE, STANDARD_TRACE, TraceConfig, \
     make_trace, trace_shape_stats
-from mtpmeta.bench.trace_replay import CountingRuntime, Replay, check_trace, known_syncs
+from mtpmeta.bench.trace_replay import Replay, check_trace, known_syncs
 from mtpmeta.buffers.device_runtime import use_runtime
 
 
@@ -217,20 +217,29 @@ def test_mirror_on_meta_counts_event_and_stream_calls(standard):
     assert runtime.calls["event.record"] >= 4 and runtime.calls["current_stream"] >= 4
 
 
-def test_cli_trace_quick_prints_both_geometries_and_json(monkeypatch, capsys, tmp_path):
-    short = {"standard": (STANDARD_TRACE, 6), "production": (PRODUCTION_TRACE, 2)}
-    monkeypatch.setattr(trace_bench, "trace_geometries", lambda quick: short)
+#: A trace small enough that the command's check and timing take a second or two.
+TINY = TraceConfig(max_requests=16, block_columns=8, block_size=8, depths=2, steps=6,
+                   start_active=6, start_paused=2, chunk_tokens=16, prompt_median=16.0,
+                   output_median=24.0, context_median=20.0, hidden_size=8,
+                   arrival_rate=1.0)
+TINY_WIDE = TraceConfig(**{**TINY.__dict__, "block_columns": 32, "pool_columns": 8})
+TINY_GEOMETRIES = {"standard": (TINY, 6), "production": (TINY, 3),
+                   "production W 8192": (TINY_WIDE, 3)}
+
+
+def test_cli_trace_prints_every_geometry_and_json(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(trace_bench, "trace_geometries", lambda quick: TINY_GEOMETRIES)
     path = tmp_path / "trace.json"
     assert bench_cli.main(["--trace", "--quick", "--repeats", "1", "--json",
                            str(path)]) == 0
     out = capsys.readouterr().out
-    for name in ("standard", "production"):
+    for name in TINY_GEOMETRIES:
         assert f"trace, {name} geometry" in out
     for row in ("reference", "direct", "mirror", "captured", "mirror, device inputs",
-                "drop-in, device inputs"):
+                "drop-in, device inputs", "mirror, 2 threads"):
         assert f"  {row} " in out
     result = json.loads(path.read_text())["trace"]
-    assert set(result) == {"standard", "production"}
+    assert set(result) == set(TINY_GEOMETRIES)
     rows = result["standard"]["rows"]
     assert {"reference @meta", "mirror @meta", "captured @meta", "direct @cpu",
             "mirror, device inputs @meta"} <= set(rows)
@@ -239,14 +248,86 @@ def test_cli_trace_quick_prints_both_geometries_and_json(monkeypatch, capsys, tm
                 "syncs"} <= set(row)
     assert rows["reference @meta"]["syncs"] >= 2 and rows["mirror @meta"]["syncs"] == 0
     assert rows["mirror @meta"]["runtime_calls"]["total"] > 0
+    assert set(result["production W 8192"]["rows"]) == {
+        row.key for row in trace_bench.rows_for("production W 8192")}
+
+
+def test_cli_trace_reports_progress_first_and_each_section_as_it_goes(monkeypatch,
+                                                                      capsys):
+    """``--trace`` ran for minutes with no output and ended without a verdict. Now its
+    first progress line is out before any trace work starts, each geometry announces
+    its check and its timing on stderr before doing them and prints its result on
+    stdout as soon as it has it, and stdout ends with the verdict."""
+    monkeypatch.setattr(trace_bench, "trace_geometries", lambda quick: TINY_GEOMETRIES)
+    seen_before_work = []
+    real_check = trace_replay.check_trace
+
+    def check(config, trace, **kwargs):
+        captured = capsys.readouterr()  # what was printed before this section's work
+        seen_before_work.append((captured.out, captured.err))
+        return real_check(config, trace, **kwargs)
+
+    monkeypatch.setattr(trace_replay, "check_trace", check)
+    assert bench_cli.main(["--trace", "--quick", "--repeats", "1"]) == 0
+    rest = capsys.readouterr()
+    first_out, first_err = seen_before_work[0]
+    assert first_out == ""
+    assert first_err.splitlines()[0].startswith("mtpmeta bench: trace: 3 geometries")
+    assert first_err.splitlines()[-1] == ("mtpmeta bench: standard trace: checking "
+                                          "mirror, captured, drop-in, direct against the "
+                                          "reference on 6 steps ...")
+    # Before the production check: the standard geometry's results are already out.
+    out_before_production = seen_before_work[1][0]
+    assert "standard trace: mirror, captured, drop-in, direct" in out_before_production
+    assert "trace, standard geometry" in out_before_production
+    err = "".join(e for _, e in seen_before_work) + rest.err
+    for name in TINY_GEOMETRIES:
+        assert f"mtpmeta bench: {name} trace: timing " in err
+        assert f"mtpmeta bench: {name} trace: pass 1 of 1 ..." in err
+    assert all(line.startswith("mtpmeta bench: ") for line in err.splitlines())
+    out = "".join(o for o, _ in seen_before_work) + rest.out
+    lines = out.splitlines()
+    assert any(line.startswith("capacity, µs per step at W 32 over W 8 on the same "
+                               "traffic: mirror ")
+               and ", mirror, block counts " in line for line in lines), lines
+    assert lines[-1].startswith("verdict: every timed path left the reference's views "
+                                "and buffers on the checked trace steps (standard 6, "
+                                "production 3, production W 8192 3; CPU)"), lines[-1]
+    for name in TINY_GEOMETRIES:
+        assert f"{name} mirror " in lines[-1]
+    assert "; µs per step at W 32 over W 8 on the same traffic: mirror " in lines[-1]
+
+
+def test_every_timed_row_is_checked_and_has_its_baseline():
+    """A row added to ROWS is checked against the reference before it is timed (the
+    check replays every path, count and thread setting the geometry's rows time), and
+    its baseline (the reference on the same device and inputs) is timed beside it."""
+    from mtpmeta.bench.trace_replay import PATHS
+
+    for name in ("standard", "production", "production W 8192"):
+        rows = trace_bench.rows_for(name)
+        keys = {row.key for row in rows}
+        arguments = trace_bench._check_arguments(rows)
+        for row in rows:
+            assert row.path in PATHS
+            base = "reference, device inputs" if row.device_inputs else "reference"
+            assert f"{base} @{row.device}" in keys, (name, row)
+            if row.path != "reference":
+                assert row.path in arguments["paths"]
+            if row.block_counts:
+                assert row.path in arguments["counts"]
+            if row.table_threads > 1:
+                assert row.path in arguments["threaded"]
 
 
 def test_cli_trace_exits_1_when_a_path_differs(monkeypatch, capsys):
-    monkeypatch.setattr(trace_replay, "check_trace", lambda config, trace: "planted")
+    monkeypatch.setattr(trace_replay, "check_trace", lambda config, trace, **kw: "planted")
     monkeypatch.setattr(trace_bench, "trace_geometries",
-                        lambda quick: {"standard": (STANDARD_TRACE, 2)})
+                        lambda quick: {"standard": (TINY, 2)})
     assert bench_cli.main(["--trace", "--quick"]) == 1
-    assert "RESULTS DIFFER" in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert "RESULTS DIFFER (standard trace): planted" in captured.err
+    assert "verdict:" not in captured.out
 
 
 def test_asv_discovers_the_trace_trackers():

@@ -26,8 +26,8 @@ from hypothesis import strategies as st
 
 import mtpmeta.kernels.table_threads
 from mtpmeta import ContextGPUView, MTPMetadata
-from mtpmeta.bench.h2d import H2DCounter, StagingRecorder
-from mtpmeta.bench.opcount import OpCounter
+from mtpmeta.bench.counters import H2DCounter, StagingRecorder
+from mtpmeta.bench.counters import OpCounter
 from mtpmeta.kernels.counted import column_bucket
 from mtpmeta.reference import ReferenceGPUView, ReferenceMTPMetadata
 from mtpmeta.buffers.device_runtime import use_runtime

@@ -424,7 +424,8 @@ def test_bench_captured_row_counts_only_begin_decode_on_the_host():
     (2 data ops on the mirror path, none on the direct path), with no sync and no
     allocation, against the default graphed loop's per-depth staging; the graph holds
     DEPTH_OPS + ADVANCE_OPS per depth."""
-    from mtpmeta.bench.captured import format_captured, measure_captured
+    from mtpmeta.bench.measure import measure_captured
+    from mtpmeta.bench.report import format_captured
     from mtpmeta.bench.workload import StepConfig, make_steps
 
     config = StepConfig(max_requests=16, block_columns=8, block_size=4, active=10,

@@ -16,7 +16,7 @@ import torch
 
 import mtpmeta
 from mtpmeta.__main__ import main as mtpmeta_main
-from mtpmeta.bench import cli as bench_cli, usage
+from mtpmeta.bench import cli as bench_cli
 from mtpmeta.simulate import cli as simulate_cli
 
 
@@ -64,7 +64,8 @@ CUDA_MISSING = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a mac
     (["--max-requests", "192"], "use at least 193"),
     (["--block-columns", "4"], "--block-columns 4 x --block-size 64 holds 256 tokens"),
     (["--json", "/nonexistent/dir/x.json"], "the directory /nonexistent/dir does not exist"),
-    (["--plot", "/nonexistent/dir/sweep.png"], "the directory /nonexistent/dir"),
+    (["--sweep"], "unrecognized arguments: --sweep"),
+    (["--trace", "--instructions"], "--device and --instructions apply to the standard"),
     (["--frobnicate"], "unrecognized arguments: --frobnicate"),
 ])
 def test_bench_rejects_a_bad_option_in_one_line_before_any_work(no_work, capsys, flags,
@@ -85,15 +86,6 @@ def test_bench_refuses_an_output_path_that_is_a_directory(no_work, capsys, tmp_p
     assert "is a directory" in _one_line_error(capsys, "mtpmeta bench")
 
 
-def test_bench_checks_the_plot_dependency_first(no_work, capsys, monkeypatch, tmp_path):
-    real = usage.importlib.util.find_spec
-    monkeypatch.setattr(usage.importlib.util, "find_spec",
-                        lambda name: None if name == "matplotlib" else real(name))
-    assert bench_cli.main(["--plot", str(tmp_path / "sweep.png")]) == 2
-    line = _one_line_error(capsys, "mtpmeta bench")
-    assert "--plot needs matplotlib" in line and "[plot]" in line
-
-
 def test_instructions_checks_its_tools_first_with_fitting_advice(no_work, capsys,
                                                                  monkeypatch, tmp_path):
     """--instructions used to run the whole bench and only then fail, with advice for
@@ -105,7 +97,7 @@ def test_instructions_checks_its_tools_first_with_fitting_advice(no_work, capsys
     assert bench_cli.main(["--instructions"]) == 2
     line = _one_line_error(capsys, "mtpmeta bench")
     assert "--instructions cannot count here" in line and "pytest-codspeed" in line
-    assert usage.install_hint("bench") in line
+    assert bench_cli.install_hint("bench") in line
     monkeypatch.setattr(instructions.shutil, "which", lambda name: None)
     assert bench_cli.main(["--instructions"]) == 2
     assert "valgrind is not installed" in _one_line_error(capsys, "mtpmeta bench")
@@ -114,12 +106,12 @@ def test_instructions_checks_its_tools_first_with_fitting_advice(no_work, capsys
 def test_install_hint_fits_a_checkout_or_an_installed_package(monkeypatch, tmp_path):
     """From this checkout the advice is an editable install of it; from a wheel (no
     pyproject.toml beside the package) it is the published package's extra."""
-    assert usage.install_hint("bench") == \
-        f"pip install -e '{usage.Path(mtpmeta.__file__).resolve().parents[1]}[bench]'"
+    assert bench_cli.install_hint("bench") == \
+        f"pip install -e '{bench_cli.Path(mtpmeta.__file__).resolve().parents[1]}[bench]'"
     installed = tmp_path / "site-packages" / "mtpmeta" / "bench"
     installed.mkdir(parents=True)
-    monkeypatch.setattr(usage, "__file__", str(installed / "usage.py"))
-    assert usage.install_hint("bench") == "pip install 'mtpmeta[bench]'"
+    monkeypatch.setattr(bench_cli, "__file__", str(installed / "cli.py"))
+    assert bench_cli.install_hint("bench") == "pip install 'mtpmeta[bench]'"
 
 
 @pytest.mark.parametrize("flags, says", [
@@ -162,6 +154,21 @@ def test_bench_help_explains_the_columns_and_the_targets(capsys):
                    "µs/step", "speed-up"):
         assert column in text, column
     assert "MISSED" in text and "BENCHMARKS.md" in text
+    assert "what a user relies on" in text  # what the targets are for
+
+
+def test_bench_output_and_help_speak_of_the_product_only(capsys):
+    """Help, the printed notes and the code of the bench say what a target or a row is
+    for, not when or under which tracker item it arrived."""
+    from pathlib import Path
+
+    history = re.compile(r"\b(this revision|issue \d+|item \d+|round \d+)",
+                         re.IGNORECASE)
+    text = _help(["bench", "--help"], capsys)
+    assert not history.search(text), history.search(text)
+    for source in Path(bench_cli.__file__).parent.glob("*.py"):
+        found = history.search(source.read_text())
+        assert not found, (source.name, found)
 
 
 def test_simulate_help_says_what_both_runs():

@@ -26,7 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mtpmeta import ContextGPUView, MTPMetadata
-from mtpmeta.bench.h2d import H2DCounter, StagingRecorder
+from mtpmeta.bench.counters import H2DCounter, StagingRecorder
 from mtpmeta.reference import ReferenceGPUView, ReferenceMTPMetadata
 from mtpmeta.buffers.device_runtime import use_runtime
 from tests.cuda_sim import CudaSim, SimGraph

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 import mtpmeta.mirror.counted
 import mtpmeta.kernels.table_threads
 from mtpmeta import ContextGPUView, MTPMetadata
-from mtpmeta.bench.opcount import OpCounter
+from mtpmeta.bench.counters import OpCounter
 from mtpmeta.reference import ReferenceGPUView, ReferenceMTPMetadata
 from tests.test_block_counts import TABLE_THREADS, step_inputs
 from tests.helpers import (assert_buffers_equal, assert_same_state, assert_views_equal,

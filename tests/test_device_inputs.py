@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from mtpmeta import ContextGPUView
-from mtpmeta.bench.opcount import OpCounter
+from mtpmeta.bench.counters import OpCounter
 from mtpmeta.reference import ReferenceGPUView
 
 from tests.helpers import (assert_buffers_equal, assert_views_equal, make_metadata,

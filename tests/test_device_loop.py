@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from mtpmeta import ContextGPUView
-from mtpmeta.bench.opcount import OpCounter
+from mtpmeta.bench.counters import OpCounter
 from mtpmeta.buffers.persistent import PLANNED_DEPTHS
 from mtpmeta.reference import ReferenceGPUView
 from tests.helpers import assert_buffers_equal, assert_views_equal, make_metadata, \
@@ -263,7 +263,7 @@ def test_device_input_standard_step_meets_the_host_routes_step_budget(view_kind)
     route is held to (``test_op_budget.STEP_BUDGET``: 16 device data ops, its 3
     advances not counted; 3 per depth): every call is counted here, none assumed. It
     takes 14, and 17 with the advances; no read-back and no new storage."""
-    from mtpmeta.bench.callops import counted_step
+    from mtpmeta.bench.counters import counted_step
     from tests.test_op_budget import BUDGET, STEP_BUDGET
 
     config, meta, view, steps = _standard_step_objects(view_kind)

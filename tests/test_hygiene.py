@@ -13,7 +13,7 @@ import os
 import pytest
 
 from mtpmeta import VIEW_FIELDS, ContextGPUView, MTPMetadata
-from mtpmeta.bench.opcount import OpCounter
+from mtpmeta.bench.counters import OpCounter
 from mtpmeta.reference import ReferenceGPUView, ReferenceMTPMetadata
 from dataclasses import replace
 

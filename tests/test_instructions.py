@@ -47,12 +47,11 @@ def test_step_regions_measure_every_variant_and_call():
                         prefill_tokens=32, depths=2)
     ran = []
     instructions.step_regions(lambda label, run: (run(), ran.append(label)),
-                              vars(config), steps=1, seed=0, calls=1)
+                              vars(config), steps=1, seed=0)
     for draft in ("eager", "graphed"):
         for variant in ("reference torch", "direct torch", "direct numpy", "mirror torch"):
             assert f"{variant} {draft}" in ran
     assert {"kernel floor", "kernel floor, torch inputs"} <= set(ran)
-    assert any(label.startswith("call torch move_request_rows") for label in ran)
 
 
 def test_instruction_counts_are_refused_clearly_without_valgrind(monkeypatch):
@@ -63,8 +62,8 @@ def test_instruction_counts_are_refused_clearly_without_valgrind(monkeypatch):
 
 
 def test_step_counts_become_per_step_ratios(monkeypatch):
-    """The ratios the bench prints and asv tracks are per step and per call, from the
-    labels step_regions dumps (here fed to the arithmetic directly)."""
+    """The ratios the bench prints and asv tracks are per step, from the labels
+    step_regions dumps (here fed to the arithmetic directly)."""
     counts = {}
     for draft in ("eager", "graphed"):
         counts[f"reference torch {draft}"] = 4000
@@ -73,15 +72,11 @@ def test_step_counts_become_per_step_ratios(monkeypatch):
         counts[f"mirror torch {draft}"] = 1000
     counts["kernel floor"] = 250
     counts["kernel floor, torch inputs"] = 400
-    counts["call numpy move_request_rows (int64 [16])"] = 150
-    counts["call torch move_request_rows (int64 [16])"] = 300
     monkeypatch.setattr(instructions, "callgrind_regions", lambda body, timeout: counts)
-    result = instructions.count_step_instructions(StepConfig(), steps=2, calls=10)
+    result = instructions.count_step_instructions(StepConfig(), steps=2)
     assert result["per_step"]["direct torch eager"] == 250
     assert result["reference_over_direct_eager"] == 8
     assert result["direct_over_floor_graphed"] == 2
     assert result["direct_over_torch_floor_eager"] == 1.25
-    assert result["per_call"]["move_request_rows (int64 [16])"] == {
-        "numpy": 15, "torch": 30, "ratio": 2}
     text = instructions.format_instructions(result)
     assert "8.0x fewer than the reference" in text and "2.00x" in text

@@ -18,7 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mtpmeta import GraphCaptureError, MTPMetadata
-from mtpmeta.bench.opcount import OpCounter
+from mtpmeta.bench.counters import OpCounter
 from mtpmeta.buffers.device_runtime import CopyFence, TorchRuntime, use_runtime
 from tests.helpers import (assert_same_state, buffer_state, config, make_metadata,
                            make_reference, make_views, view_state)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from mtpmeta import ContextGPUView, MTPMetadata
-from mtpmeta.bench.callops import counted_step
+from mtpmeta.bench.counters import counted_step
 from mtpmeta.bench.workload import StepConfig, make_steps, run_step
 from tests.cuda_sim import DEVICE, CudaSim
 from tests.test_sim_hazards import upload

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mtpmeta.bench.opcount import OpCounter
+from mtpmeta.bench.counters import OpCounter
 from mtpmeta.mirror.copy_plan import CopyPlan, word_view
 
 

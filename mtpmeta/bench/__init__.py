@@ -1,10 +1,16 @@
 """``mtpmeta bench``: the per-step host-cost benchmark and its parts.
 
-Tooling, not the library: ``workload`` (the standard step), ``cli`` (the command),
-``variants`` (what is compared), ``measure`` (timing, op counts, cold start),
-``report`` (the table), ``floor`` (the kernel floor), ``percall`` (torch vs numpy input
-cost per call), ``instructions`` (callgrind counts), ``opcount`` (a torch op counter),
-``usage`` (option checks and help format, shared with ``mtpmeta simulate``).
+Tooling, not the library. The command (``cli``, with the option handling it shares with
+``mtpmeta simulate``) runs either the standard step or the seeded trace:
+
+* the standard step: ``workload`` (the step and its seeded inputs), ``variants`` (the
+  rows compared, their agreement check, the kernel floor), ``measure`` (timing),
+  ``report`` (what is printed), ``instructions`` (callgrind counts);
+* the trace (``--trace``): ``trace`` (the seeded engine model), ``trace_replay`` (each
+  path replaying it, and their agreement check), ``trace_bench`` (its rows, timing and
+  table), ``meta_device`` (torch's meta device with its C++ kernels);
+* ``counters``: torch ops, bytes host-to-device and CUDA runtime calls, for both and for
+  the tests.
 """
 
 from mtpmeta.bench.cli import main

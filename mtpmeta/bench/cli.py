@@ -1,44 +1,43 @@
 """``mtpmeta bench``: per-step host cost of the library against the pure-torch reference.
 
-Runs the standard step (``mtpmeta.bench.workload``) through the paths a device has (CPU: the
-direct and the mirror path; CUDA: the mirror path) and the reference, with the seed's
-input types (torch tensors) and, for comparison, numpy arrays, each with an eager and
-a graphed draft loop. It first checks that every path leaves the reference's view
-contents and buffers (exit status 1 if not), then times whole steps and each method
-group, interleaved so a load change hits every row alike, counts torch ops, syncs and
-draft-loop allocations, and prints a table. Ratios are measured in the same run, side
-by side; absolute times only compare on the same machine.
+Runs the standard step (``mtpmeta.bench.workload``) through the paths a device has (CPU:
+the direct and the mirror path; CUDA: the mirror path) and the reference, with the
+seed's input types (torch tensors) and, for comparison, numpy arrays, each with an
+eager and a graphed draft loop. It first checks that every path leaves the reference's
+view contents and buffers (exit status 1 if not), then times whole steps and each
+method group, interleaved so a load change hits every row alike, counts torch ops,
+syncs and draft-loop allocations, and prints a table, the captured draft loop's host
+side, the targets, the cold start and, with ``--instructions``, callgrind counts (a
+measure that does not move with machine load). ``--trace`` runs the seeded
+continuous-batching trace instead (``mtpmeta.bench.trace_bench``).
 
-On the CPU it also times the kernel floor (``mtpmeta.bench.floor``), the per-call cost of
-torch against numpy inputs (``mtpmeta.bench.percall``) and, with ``--instructions``, counts
-instructions per step under callgrind (``mtpmeta.bench.instructions``), a measure that does
-not move with machine load.
-
-This module is the command line and the order of the sections; the rows and their
-agreement check are ``variants``, the timing ``measure``, the printed table, targets
-and verdict ``report``, the figure ``plots``, the option checks ``usage``. Every option
-is checked before any work. Stdout holds the results and ends with a one-line verdict;
-each section announces itself on stderr before its work (progress, not results).
+This module is the command line: its options, their checks (before any work, so a bad
+option costs nothing: one line on stderr, exit status 2; the helpers are shared with
+``mtpmeta simulate``) and the order of the sections. Stdout holds the results and ends
+with a one-line verdict; each section announces itself on stderr before its work.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import sys
 from dataclasses import asdict
-from typing import Any, Dict, List, Optional
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from mtpmeta.bench.measure import cold_start, load_now, machine_load, measure, sweep
-from mtpmeta.bench.report import (LEGEND, TARGETS_NOTE, load_lines, spread_line, table, target_lines,
-                     target_summary, verdict_line)
-from mtpmeta.bench.usage import (ToolParser, device_problem, missing_module, output_problem, parse,
-                    positive_int, usage_error)
+from mtpmeta.bench.measure import cold_start, load_now, machine_load, measure, \
+    measure_captured
+from mtpmeta.bench.report import LEGEND, TARGETS_NOTE, format_captured, load_lines, \
+    spread_line, table, target_lines, target_summary, verdict_line
 from mtpmeta.bench.variants import check_identical, floor_matches, implementations
 from mtpmeta.bench.workload import StepConfig, make_steps
 
-__all__ = ["main"]
+__all__ = ["main", "note", "HelpFormatter", "ToolParser", "parse", "usage_error",
+           "positive_int", "device_problem", "output_problem", "install_hint"]
 
 PROG = "mtpmeta bench"
 DESCRIPTION = """\
@@ -79,13 +78,6 @@ def _parser() -> ToolParser:
                         help="timed passes (default 30; 5 with --quick)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the drawn steps and of the pass order")
-    parser.add_argument("--sweep", action="store_true",
-                        help="also time each path over batch sizes 8-256")
-    parser.add_argument("--plot", metavar="PNG",
-                        help="draw the sweeps that ran to PNG, median and per-pass "
-                             "spread: the width sweep with --width-sweep, the batch "
-                             "sweep with --sweep (implied when --width-sweep is not "
-                             "given); needs the plot extra, matplotlib")
     parser.add_argument("--targets", action="store_true",
                         help="print each performance target with its figures (without "
                              "it: one line, how many were met)")
@@ -95,19 +87,17 @@ def _parser() -> ToolParser:
     parser.add_argument("--no-cold-start", action="store_true",
                         help="skip the new-process first-step measurement (cold, with a "
                              "fresh numba cache, and warm)")
-    parser.add_argument("--no-per-call", action="store_true",
-                        help="skip the per-call torch-vs-numpy input cost section")
     parser.add_argument("--instructions", action="store_true",
                         help="also count instructions per step under valgrind's "
                              "callgrind (load-independent ratios; about 1-2 minutes; "
                              "needs valgrind and the bench extra)")
-    parser.add_argument("--geometry", choices=("standard", "production"),
-                        default="standard", help="production: also the production-like "
-                        "row (R 1024, N 768, W 2048) with H2D bytes per step")
-    parser.add_argument("--trace", action="store_true", help="only the seeded "
-                        "continuous-batching trace rows (mtpmeta.bench.trace_bench)")
-    parser.add_argument("--width-sweep", action="store_true",
-                        help="per-draft-depth cost over W in {128, 512, 2048, 8192}")
+    parser.add_argument("--trace", action="store_true",
+                        help="instead of the standard step: replay the seeded "
+                        "continuous-batching traces (standard R 256 W 128, production "
+                        "R 1024 W 2048 and W 8192) through every path, checked against "
+                        "the reference, then timed on the meta device (the host's share "
+                        "of a GPU step); a few minutes (about 4 on a 2-CPU machine), "
+                        "--quick about one")
     return parser
 
 
@@ -139,11 +129,11 @@ def _usage_problem(args) -> Optional[str]:
     from mtpmeta.bench.instructions import unavailable
 
     problem = device_problem(args.device) or _config_problem(args)
-    for flag, path in (("--json", args.json), ("--plot", args.plot)):
-        if path is not None:
-            problem = problem or output_problem(flag, path)
-    if args.plot:
-        problem = problem or missing_module("matplotlib", "plot", "--plot")
+    if args.json is not None:
+        problem = problem or output_problem("--json", args.json)
+    if args.trace and (args.instructions or args.device != "cpu"):
+        problem = problem or ("--trace times the meta device and the CPU; --device and "
+                              "--instructions apply to the standard step only")
     if args.instructions and problem is None:
         reason = unavailable()
         if reason:
@@ -173,7 +163,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     steps = make_steps(config, args.steps or (4 if args.quick else 8), seed=args.seed)
     repeats = args.repeats or (5 if args.quick else 30)
     names = implementations(device)
-    _note(f"checking {', '.join(names)} against each other on {len(steps)} steps")
+    note(f"checking {', '.join(names)} against each other on {len(steps)} steps")
     mismatch = check_identical(config, steps, device)
     if mismatch:
         print(f"mtpmeta bench: RESULTS DIFFER: {mismatch}", file=sys.stderr)
@@ -185,7 +175,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("mtpmeta bench: the kernel floor step differs from the direct path",
               file=sys.stderr)
         return 1
-    _note(f"timing {repeats} interleaved passes of every row ({len(steps)} steps each)")
+    note(f"timing {repeats} interleaved passes of every row ({len(steps)} steps each)")
     progress = _progress(repeats)
     load_before = load_now()
     results, floors = measure(config, steps, repeats, device, progress,
@@ -198,9 +188,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(spread_line(results))
     for line in load_lines(load) if load else ():
         print(line)
-    from mtpmeta.bench.captured import format_captured, measure_captured  # the captured draft loop
-
-    _note("timing the captured draft loop")
+    note("timing the captured draft loop")
     captured = measure_captured(config, steps, repeats, device)
     print(format_captured(captured, config.depths))
     output: Dict[str, Any] = {"config": asdict(config), "device": str(device),
@@ -210,16 +198,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                                   "us_per_step_torch_inputs":
                                       floors["kernel floor, torch inputs"],
                                   "same_result": True}
-    input_cost = None
-    if on_cpu and not args.no_per_call:
-        from mtpmeta.bench.percall import format_input_cost, input_cost as measure_input_cost
-
-        _note("timing torch against numpy inputs per call")
-        input_cost = measure_input_cost(config, repeats=5 if args.quick else 9,
-                                        number=300 if args.quick else 2000)
-        output["input_cost"] = input_cost
-        print(format_input_cost(input_cost))
-    targets = target_lines(results, floors, input_cost, config.depths)
+    targets = target_lines(results, floors, config.depths)
     output["targets"] = targets
     if targets and args.targets:
         print(TARGETS_NOTE)
@@ -228,7 +207,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     elif targets:
         print(target_summary(targets))
     if on_cpu and not args.no_cold_start:
-        _note("cold start: a new process with an empty numba cache, then warm")
+        note("cold start: a new process with an empty numba cache, then warm")
         cold = output["cold_start"] = cold_start(config, warm_runs=1 if args.quick else 3)
         print(f"cold start (new process, imports + first step): {cold['cold_s']:.2f} s "
               f"with an empty numba cache (compiling {cold['cache_files_written']} cache "
@@ -237,24 +216,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.instructions:
         from mtpmeta.bench.instructions import count_step_instructions, format_instructions
 
-        _note("counting instructions under callgrind")
+        note("counting instructions under callgrind")
         output["instructions"] = count_step_instructions(config, steps=len(steps),
                                                          seed=args.seed)
         print(format_instructions(output["instructions"]))
-    from . import extra_sections  # issue 17's rows: per-call ops, fresh shapes, ...
-    spreads: Dict[str, Any] = {"width": {}, "sweep": {}}
-    output.update(extra_sections.run(args, config, _note, spreads["width"]))
-    sweep_passes = max(2, repeats // 5)
-    if args.sweep or (args.plot and not args.width_sweep):
-        actives = [8, 32, 64, 128, 192, 256] if not args.quick else [8, 64, 192]
-        _note(f"batch sweep over {', '.join(map(str, actives))} active requests")
-        output["sweep"] = sweep(config, actives, sweep_passes, device,
-                                2 if args.quick else 4, spread=spreads["sweep"])
-        for name, series in output["sweep"].items():
-            print(f"sweep {name:<10}" + "  ".join(f"{a}:{us:.0f}µs" for a, us in series.items()))
-    if args.plot:
-        _plot(args, output, spreads, sweep_passes, 5 if args.quick else 15)
-        print(f"wrote {args.plot}")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(output, handle, indent=2)
@@ -263,30 +228,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     return 0
 
 
-def _note(text: str) -> None:
+def note(text: str) -> None:
     """Progress on stderr: the section about to run (stdout keeps the results)."""
-    print(f"mtpmeta bench: {text} ...", file=sys.stderr, flush=True)
-
-
-def _plot(args, output: Dict[str, Any], spreads: Dict[str, Any], sweep_passes: int,
-          width_passes: int) -> None:
-    """The ``--plot`` figure: a panel per sweep that ran, medians with per-pass spread."""
-    from mtpmeta.bench.plots import Panel, plot
-
-    panels = []
-    if "width_sweep" in output:
-        width = output["width_sweep"]
-        timed = width["unit"] != "instructions"
-        panels.append(Panel(f"one draft depth over the table width (N {width['active']})",
-                            "block-table width W (max_kv_block_count)",
-                            "µs per depth" if timed else "instructions per depth",
-                            width["per_depth"], spreads["width"],
-                            passes=width_passes if timed else 1, log_x=True))
-    if "sweep" in output:
-        panels.append(Panel("host cost per standard step", "active requests",
-                            "µs per step", output["sweep"], spreads["sweep"],
-                            passes=sweep_passes))
-    plot(panels, args.plot)
+    print(f"{PROG}: {text} ...", file=sys.stderr, flush=True)
 
 
 def _progress(total: int):
@@ -295,3 +239,100 @@ def _progress(total: int):
     except ImportError:
         return None
     return tqdm(total=total, desc="timing", leave=False, disable=not sys.stderr.isatty())
+
+
+# Option handling shared by the ``mtpmeta`` commands: one-line usage errors with exit
+# status 2, help that shows every default, install advice that fits the installation.
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the description's and epilog's line breaks and appends ``(default: X)``
+    to every option whose default is a value (not None, not an off switch) and whose
+    help does not already say it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (not action.option_strings or action.default is None
+                or action.default is False or action.default is argparse.SUPPRESS
+                or "default" in text):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class ToolParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage errors are one line on stderr, exit status 2."""
+
+    def __init__(self, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(**kwargs)
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def parse(parser: argparse.ArgumentParser, argv: Optional[List[str]]
+          ) -> Tuple[Optional[argparse.Namespace], int]:
+    """``(args, 0)``, or ``(None, status)`` once ``--help`` (0) or a malformed option
+    (2, its one line already printed) ended the parse: a command's ``main`` returns
+    that status instead of raising SystemExit."""
+    try:
+        return parser.parse_args(argv), 0
+    except SystemExit as exit_:
+        return None, exit_.code if isinstance(exit_.code, int) else 2
+
+
+def usage_error(prog: str, message: str) -> int:
+    """Print ``prog: message`` to stderr as one line; return exit status 2."""
+    print(f"{prog}: {message}", file=sys.stderr)
+    return 2
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is below 1")
+    return value
+
+
+def device_problem(text: str) -> Optional[str]:
+    """Why ``--device text`` cannot run here (not a torch device, not cpu/cuda, no
+    CUDA, no such GPU), or None."""
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        return f"--device {text!r} is not a device; use cpu or cuda (cuda:N for GPU N)"
+    if device.type not in ("cpu", "cuda"):
+        return f"--device {text}: only cpu and cuda are supported"
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return f"--device {text}, but CUDA is not available (torch {torch.__version__})"
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            return (f"--device {text}, but this machine has "
+                    f"{torch.cuda.device_count()} CUDA device(s)")
+    return None
+
+
+def output_problem(flag: str, path: str) -> Optional[str]:
+    """Why ``path`` (for ``flag``) cannot be written once the run is over, or None."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return f"{flag} {path} is a directory; give a file name"
+    if not os.path.isdir(folder):
+        return f"{flag} {path}: the directory {folder} does not exist"
+    if not os.access(folder, os.W_OK):
+        return f"{flag} {path}: the directory {folder} is not writable"
+    return None
+
+
+def install_hint(extra: str) -> str:
+    """The pip command that adds the optional dependencies ``extra``: an editable
+    install of the source checkout this package runs from, else the published
+    package's extra."""
+    root = Path(__file__).resolve().parents[2]
+    if (root / "pyproject.toml").is_file() and (root / "mtpmeta" / "__init__.py").is_file():
+        return f"pip install -e '{root}[{extra}]'"
+    return f"pip install 'mtpmeta[{extra}]'"

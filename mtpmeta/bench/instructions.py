@@ -11,8 +11,7 @@ stop). The client requests come from pytest-codspeed's compiled instrument hooks
 (the ``bench`` extra), called through ``ctypes`` so the child imports no pytest.
 
 Counted per standard step: the reference, the direct path (torch and numpy inputs),
-the mirror path and the kernel floor, eager and graphed; and per call, each case of
-``mtpmeta.bench.percall`` with numpy and with torch inputs. Instruction counts weigh a
+the mirror path and the kernel floor, eager and graphed. Instruction counts weigh a
 cache miss like an add, so they are a repeatable proxy for host cost, not a time.
 """
 
@@ -30,7 +29,7 @@ import tempfile
 from dataclasses import asdict
 from typing import Any, Callable, Dict, List, Optional
 
-from mtpmeta.bench.usage import install_hint
+from mtpmeta.bench.cli import install_hint
 
 __all__ = ["unavailable", "callgrind_regions", "count_step_instructions",
            "format_instructions"]
@@ -94,7 +93,13 @@ def callgrind_regions(body: str, *, timeout: float = 600) -> Dict[str, int]:
         command = [shutil.which("valgrind"), "--tool=callgrind", "--instr-atstart=no",
                    f"--callgrind-out-file={out}", "--dump-line=no", sys.executable,
                    "-c", source]
-        env = {**os.environ, "PYTHONHASHSEED": "0"}
+        # The child counts the mtpmeta this process runs, wherever it was imported from
+        # (a source tree on sys.path may shadow an installed copy).
+        package_root = os.path.dirname(os.path.dirname(os.path.dirname(
+            os.path.abspath(__file__))))
+        paths = [package_root] + [p for p in os.environ.get("PYTHONPATH", "").split(
+            os.pathsep) if p]
+        env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONPATH": os.pathsep.join(paths)}
         result = subprocess.run(command, capture_output=True, text=True, env=env,
                                 timeout=timeout)
         if result.returncode != 0:
@@ -110,17 +115,14 @@ def callgrind_regions(body: str, *, timeout: float = 600) -> Dict[str, int]:
 
 
 def step_regions(region: Callable[[str, Callable[[], None]], None], config_fields: Dict,
-                 steps: int, seed: int, calls: int) -> None:
+                 steps: int, seed: int) -> None:
     """Child side: warm every path, then measure ``steps`` standard steps of each as
-    one region per variant, and ``calls`` calls of each per-call case per input type.
-    ``region`` is callgrind's marker in the child (any ``(label, fn)`` runner works)."""
+    one region per variant and per kernel floor. ``region`` is callgrind's marker in
+    the child (any ``(label, fn)`` runner works)."""
     import torch
 
-    from . import floor
-    from mtpmeta.bench.variants import Variant, build
-    from mtpmeta.gpu_view import ContextGPUView
-    from mtpmeta.metadata import MTPMetadata
-    from mtpmeta.bench.percall import _cases
+    from mtpmeta.bench.variants import TorchFloorInputs, Variant, build, floor_inputs, \
+        floor_step
     from mtpmeta.bench.workload import StepConfig, make_steps, run_step
 
     torch.set_num_threads(1)
@@ -141,19 +143,12 @@ def step_regions(region: Callable[[str, Callable[[], None]], None], config_field
 
             measured.append((variant.label, run))
     bare, bare_view = build("direct", config, torch.device("cpu"))
-    prepared = floor.prepare(torch_steps)
-    converting = [floor.TorchFloorInputs(step, bare_inputs)
+    prepared = floor_inputs(torch_steps)
+    converting = [TorchFloorInputs(step, bare_inputs)
                   for step, bare_inputs in zip(torch_steps, prepared)]
     for label, batch in (("kernel floor", prepared), ("kernel floor, torch inputs", converting)):
         measured.append((label, lambda batch=batch: [
-            floor.floor_step(bare, bare_view, inputs, config) for inputs in batch]))
-    meta = MTPMetadata(**config.metadata_kwargs())
-    meta.allocate("cpu", mirror=False)
-    view = ContextGPUView(config.max_requests, config.max_tokens, config.block_columns)
-    for label, (numpy_call, torch_call) in _cases(meta, view, torch_steps[0], config).items():
-        for side, call in (("numpy", numpy_call), ("torch", torch_call)):
-            measured.append((f"call {side} {label}",
-                             lambda call=call: [call() for _ in range(calls)]))
+            floor_step(bare, bare_view, inputs, config) for inputs in batch]))
     for _ in range(2):  # warm: JIT, per-shape caches, interpreter specialisation
         for _, run in measured:
             run()
@@ -162,16 +157,15 @@ def step_regions(region: Callable[[str, Callable[[], None]], None], config_field
 
 
 def count_step_instructions(config: Any, *, steps: int = 4, seed: int = 0,
-                            calls: int = 50, timeout: float = 600) -> Dict[str, Any]:
-    """Instructions per standard step of each variant and per call of each per-call
-    case, counted in one callgrind run, with their ratios (see the module docstring)."""
+                            timeout: float = 600) -> Dict[str, Any]:
+    """Instructions per standard step of each variant and kernel floor, counted in one
+    callgrind run, with their ratios (see the module docstring)."""
     body = ("import json\nfrom mtpmeta.bench.instructions import step_regions\n"
             f"step_regions(region, json.loads({json.dumps(json.dumps(asdict(config)))}), "
-            f"{steps}, {seed}, {calls})\n")
+            f"{steps}, {seed})\n")
     counts = callgrind_regions(body, timeout=timeout)
-    per_step = {label: count / steps for label, count in counts.items()
-                if not label.startswith("call ")}
-    result: Dict[str, Any] = {"steps": steps, "per_step": per_step, "per_call": {}}
+    per_step = {label: count / steps for label, count in counts.items()}
+    result: Dict[str, Any] = {"steps": steps, "per_step": per_step}
     for draft in ("eager", "graphed"):
         reference = per_step[f"reference torch {draft}"]
         result[f"reference_over_direct_{draft}"] = reference / per_step[f"direct torch {draft}"]
@@ -179,12 +173,6 @@ def count_step_instructions(config: Any, *, steps: int = 4, seed: int = 0,
                                                 / per_step["kernel floor"])
         result[f"direct_over_torch_floor_{draft}"] = (
             per_step[f"direct torch {draft}"] / per_step["kernel floor, torch inputs"])
-    for label, count in counts.items():
-        if label.startswith("call "):
-            _, side, case = label.split(" ", 2)
-            result["per_call"].setdefault(case, {})[side] = count / calls
-    for row in result["per_call"].values():
-        row["ratio"] = row["torch"] / row["numpy"]
     return result
 
 
@@ -202,8 +190,4 @@ def format_instructions(result: Dict[str, Any]) -> str:
                      "the kernel floor's instructions, "
                      f"{result[f'direct_over_torch_floor_{draft}']:.2f}x the floor with "
                      "torch inputs")
-    lines.append(f"  {'per call (instructions)':<44}{'numpy':>9}{'torch':>9}{'torch/numpy':>13}")
-    for case, row in result["per_call"].items():
-        lines.append(f"  {case:<44}{row['numpy']:>9,.0f}{row['torch']:>9,.0f}"
-                     f"{row['ratio']:>12.2f}x")
     return "\n".join(lines)

@@ -1,4 +1,5 @@
-"""Timing for ``mtpmeta bench``: whole steps, method groups, counts, sweep, cold start.
+"""Timing for ``mtpmeta bench``: whole steps, method groups, counts, the captured draft
+loop's host side, cold start, and the machine's load while timing.
 
 Every repeat runs one pass of each variant (and of the CPU kernel floors), so a load
 change hits every row alike; the figures are medians over the repeats, in µs per step.
@@ -24,12 +25,14 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from . import floor
-from mtpmeta.bench.variants import Variant, build, implementations, inputs_of, variants
-from mtpmeta.bench.opcount import OpCounter
-from mtpmeta.bench.workload import StepConfig, StepInputs, make_steps, run_step, run_step_groups
+from mtpmeta.bench.counters import OpCounter
+from mtpmeta.bench.variants import TorchFloorInputs, Variant, build, floor_inputs, \
+    floor_step, implementations, inputs_of, variants
+from mtpmeta.bench.workload import StepConfig, StepInputs, run_draft, run_step, run_step_groups
+from mtpmeta.mirror.captured_route import ADVANCE_OPS, DEPTH_OPS
 
-__all__ = ["measure", "sweep", "cold_start", "load_now", "machine_load"]
+__all__ = ["measure", "measure_captured", "cuda_syncs", "cold_start", "load_now",
+           "machine_load"]
 
 _COLD_START = """
 import time, sys
@@ -152,14 +155,14 @@ def _floor_runs(config: StepConfig, steps: List[StepInputs],
     """The CPU kernel floors, warmed: on pre-converted inputs, and converting each
     torch input as it is read."""
     bare, bare_view = build("direct", config, device)
-    prepared = floor.prepare(steps)
-    converting = [floor.TorchFloorInputs(step, bare_inputs)
+    prepared = floor_inputs(steps)
+    converting = [TorchFloorInputs(step, bare_inputs)
                   for step, bare_inputs in zip(steps, prepared)]
     runs: List[_Run] = []
     for label, batch in (("kernel floor", prepared),
                          ("kernel floor, torch inputs", converting)):
         runs.append(_Run(
-            label, lambda inputs: floor.floor_step(bare, bare_view, inputs, config),
+            label, lambda inputs: floor_step(bare, bare_view, inputs, config),
             batch))
         runs[-1].time_steps(device)  # warm-up
         runs[-1].per_step.clear()
@@ -218,24 +221,73 @@ def measure(config: StepConfig, steps: List[StepInputs], repeats: int,
     return results, floors
 
 
-def sweep(config: StepConfig, actives: List[int], repeats: int, device: torch.device,
-          steps: int, spread: Optional[Dict[str, Dict[int, Tuple[float, float]]]] = None
-          ) -> Dict[str, Dict[int, float]]:
-    """Median µs per step of each path (torch inputs, eager) over batch sizes; a
-    ``spread`` dict given gets each cell's lowest and highest pass (for the plot)."""
-    results: Dict[str, Dict[int, float]] = {name: {} for name in implementations(device)}
-    for active in actives:
-        sized = replace(config, active=active,
-                        max_requests=max(config.max_requests, active + 1))
-        rows, _ = measure(sized, make_steps(sized, steps), repeats, device,
-                          with_floor=False)
-        for name in results:
-            row = rows[Variant(name).label]
-            results[name][active] = row["us_per_step"]
-            if spread is not None:
-                passes = row["us_by_pass"]
-                spread.setdefault(name, {})[active] = (min(passes), max(passes))
-    return results
+def _captured_host_loop(meta: Any, inputs: StepInputs, config: StepConfig) -> None:
+    """A captured step's host side of the draft loop (no replay)."""
+    meta.begin_decode(config.active, config.padded_active, inputs.start_positions,
+                      inputs.block_table, True, capture_setup=True)
+    meta.end_forward()
+
+
+def _best_us_per_step(run: Callable[[StepInputs], None], steps: List[StepInputs],
+                      repeats: int, device: torch.device) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter_ns()
+        for inputs in steps:
+            run(inputs)
+        _sync(device)
+        best = min(best, (time.perf_counter_ns() - start) / len(steps) / 1e3)
+    return best
+
+
+def measure_captured(config: StepConfig, steps: List[StepInputs], repeats: int,
+                     device: torch.device) -> Dict[str, Dict[str, Any]]:
+    """What the host pays for a captured draft loop (contract §12), per library path.
+
+    With ``capture_setup=True`` the per-depth setup lives in the CUDA graph the caller
+    captured once per padded size, so the host's whole draft loop is one
+    ``begin_decode`` and the graph replays (device work the caller launches, excluded
+    here). Per path: host µs per step (best of ``repeats``) and data ops, syncs and
+    allocations of that host work, the default graphed loop's µs and data ops beside
+    it, and the ops one captured depth records into the graph (setup, advance), which
+    each replay re-runs on the device; a count that differs from
+    ``mtpmeta.mirror.captured_route``'s documented one raises ``RuntimeError``."""
+    graphed = replace(config, graphed=True)
+    out: Dict[str, Dict[str, Any]] = {}
+    for name in implementations(device):
+        if name == "reference":
+            continue
+        meta, view = build(name, graphed, device)
+        meta.begin_decode_for_capture(graphed.padded_active, capture_setup=True)
+        with OpCounter() as depth:
+            meta.setup_decode_step(view)
+        with OpCounter() as advance:
+            meta.advance_decode_step()
+        meta.end_forward()
+        run_draft(meta, view, steps[0], graphed)  # warm both routes' plans
+        _captured_host_loop(meta, steps[0], graphed)
+        with OpCounter() as host_ops:
+            _captured_host_loop(meta, steps[0], graphed)
+        with OpCounter() as default_ops:
+            run_draft(meta, view, steps[0], graphed)
+        out[name] = {
+            "captured_host_us_per_step": _best_us_per_step(
+                lambda s: _captured_host_loop(meta, s, graphed), steps, repeats, device),
+            "default_graphed_us_per_step": _best_us_per_step(
+                lambda s: run_draft(meta, view, s, graphed), steps, repeats, device),
+            "captured_host_data_ops": host_ops.data_ops,
+            "captured_host_syncs": host_ops.scalar_reads,
+            "captured_host_allocations": host_ops.new_storages,
+            "default_graphed_data_ops": default_ops.data_ops,
+            "graph_ops_per_depth": depth.data_ops + advance.data_ops,
+            "graph_ops_setup": depth.data_ops, "graph_ops_advance": advance.data_ops,
+        }
+        if (depth.data_ops, advance.data_ops) != (DEPTH_OPS, ADVANCE_OPS):
+            raise RuntimeError(f"captured depth issued {depth.data_ops} + "
+                               f"{advance.data_ops} ops; mtpmeta.mirror.captured_route "
+                               f"documents {DEPTH_OPS} + {ADVANCE_OPS}")
+    return out
 
 
 def cold_start(config: StepConfig, warm_runs: int = 3) -> Dict[str, Any]:

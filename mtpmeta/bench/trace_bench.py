@@ -1,68 +1,115 @@
 """``mtpmeta bench --trace``: µs per step of every path over a seeded trace.
 
-For each geometry (standard: R 256, W 128; production: R 1024, W 2048, K 3) the trace
-(``mtpmeta.bench.trace``) is replayed through the reference (upstream's op sequence),
-the direct path (CPU only), the mirror path and the captured draft loop (the mirror
-path with ``begin_decode(..., capture_setup=True)``: its host side), on torch's
-``meta`` device with the C++ meta kernels (``mtpmeta.bench.meta_device``: the host's
-share on a GPU) and CPU-forced, all in interleaved passes of one run. Per row: the
-median and p90 over steps of each step's median over passes, the ratio against the
-reference on the same device, device data ops, syncs and CUDA event/stream calls per
-step (``CountingRuntime``), and the launch-cost estimate "meta µs + 4 µs per device
-data op". The reference's read-backs on meta are answered from the host
-(``HostKnownReference``): ``syncs`` counts them, upstream's syncs per step. On the
-standard trace it also times the device-input route (the draft loop's start positions
-and table already meta tensors) through the fused calls, and "the drop-in": upstream's
-helper sequence calling mtpmeta's individual writers with device inputs. On the
-production trace it also times the mirror path and the captured loop with the opt-in
-table threads (``THREADED_ROWS``: two of numba's threads).
+For each geometry (standard: R 256, W 128; production: R 1024, W 2048, K 3; and the
+production traffic at W 8192) the trace (``mtpmeta.bench.trace``) is first replayed on
+the CPU through the reference and every path a row of that geometry times, which must
+leave the reference's view and buffers (``trace_replay.check_trace``; exit status 1
+if not). Then each row is timed in interleaved passes of one run, on torch's ``meta``
+device with the C++ meta kernels (``mtpmeta.bench.meta_device``: the host's share of a
+GPU step) or on the CPU (the direct path, a CPU deployment). Per row: the median and
+p90 over steps of each step's median over passes, the ratio against the reference on
+the same device (and inputs), device data ops, syncs and CUDA event/stream calls per
+step (``counters.CountingRuntime``), and the launch-cost estimate "meta µs + 4 µs per
+device data op". The reference's read-backs on meta are answered from the host
+(``HostKnownReference``): ``syncs`` counts them, upstream's syncs per step.
+
+What each row tells a scheduler author: ``mirror`` is the default call on a GPU,
+``captured`` the opt-in captured draft loop (contract §12), ``block counts`` the
+opt-in ``block_counts=`` (contract §5), ``2 threads`` the opt-in table threads
+(``MTPMETA_TABLE_THREADS``), ``device inputs`` passing the draft loop's inputs as
+device tensors, ``drop-in`` keeping upstream's call sites with mtpmeta's writers; the
+W 8192 geometry shows whether host cost follows the blocks in use or the table's width.
+
+To add a row, append a :class:`TraceRow` to ``ROWS`` (a new path first registers how
+its objects are built in ``trace_replay.PATHS``): the check, the timing, the table, the
+JSON and the verdict all read ``ROWS``.
+
+Progress goes to stderr as each section starts; results go to stdout as each section
+ends, flushed, and the run ends with a ``verdict:`` line.
 """
 
 from __future__ import annotations
 
 import gc
 import statistics
+import sys
 import time
-from typing import Any, Dict, List, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 
-from mtpmeta.buffers.device_runtime import use_runtime
+from mtpmeta.bench.counters import CountingRuntime, DeviceOpCounter
 from mtpmeta.bench.meta_device import cpp_meta_kernels, meta_setup_report, micro_us
-from mtpmeta.bench.trace import PRODUCTION_TRACE, PRODUCTION_WIDE_TRACE, STANDARD_TRACE, TraceConfig, \
-    TraceStep, make_trace, trace_shape_stats
-from mtpmeta.bench.trace_replay import CountingRuntime, DeviceOpCounter, Replay, device_inputs, \
-    known_syncs
+from mtpmeta.bench.trace import PRODUCTION_TRACE, PRODUCTION_WIDE_TRACE, STANDARD_TRACE, \
+    TraceConfig, TraceStep, make_trace, trace_shape_stats
+from mtpmeta.bench.trace_replay import Replay, device_inputs, known_syncs
+from mtpmeta.buffers.device_runtime import use_runtime
 
-__all__ = ["LAUNCH_US", "ROWS", "THREADED_ROWS", "measure_trace", "format_trace",
-           "trace_geometries", "run_trace"]
+__all__ = ["LAUNCH_US", "TraceRow", "ROWS", "rows_for", "trace_geometries",
+           "measure_trace", "format_trace", "run_trace"]
 
 LAUNCH_US = 4.0  # the CUDA driver's launch cost per device data op, for the estimate
-#: (label, path, device, device inputs, block counts, table threads). ``THREADED_ROWS``
-#: time the opt-in table threads (``mtpmeta.kernels.table_threads``) on the production trace
-#: only (the standard trace's table passes are small and take no derived scan).
-ROWS = (("reference", "reference", "meta", False, False, 1),
-        ("mirror", "mirror", "meta", False, False, 1),
-        ("captured", "captured", "meta", False, False, 1),
-        ("mirror, block counts", "mirror", "meta", False, True, 1),
-        ("captured, block counts", "captured", "meta", False, True, 1),
-        ("reference", "reference", "cpu", False, False, 1),
-        ("direct", "direct", "cpu", False, False, 1),
-        ("mirror", "mirror", "cpu", False, False, 1),
-        ("captured", "captured", "cpu", False, False, 1))
-THREADED_ROWS = (("mirror, 2 threads", "mirror", "meta", False, False, 2),
-                 ("captured, 2 threads", "captured", "meta", False, False, 2),
-                 ("mirror, counts, 2 threads", "mirror", "meta", False, True, 2))
-DEVICE_ROWS = (("reference, device inputs", "reference", "meta", True, False, 1),
-               ("mirror, device inputs", "mirror", "meta", True, False, 1),
-               ("drop-in, device inputs", "drop-in", "meta", True, False, 1))
-#: The production trace at W 8192 (issue 24 item 4: host cost that follows the blocks
-#: in use): meta rows only.
-WIDE_ROWS = ROWS[:4]
+ALL = ("standard", "production", "production W 8192")
+#: Geometries whose agreement check replays only this many steps: at W 8192 each CPU
+#: replay holds several [R, W] tables, and the first steps already exercise every call.
+CHECK_STEPS = {"production W 8192": 4}
 
 
-def trace_geometries(quick: bool) -> Dict[str, tuple]:
+@dataclass(frozen=True)
+class TraceRow:
+    """One timed row: ``path`` (a name in ``trace_replay.PATHS``) on ``device``, with
+    the draft loop's inputs as device tensors (``device_inputs``), the calls given the
+    step's ``block_counts``, on ``table_threads`` table threads; timed on the
+    ``geometries`` named. Its baseline is the reference row of the same device and
+    inputs, which must be in ``ROWS`` for those geometries."""
+
+    label: str
+    path: str
+    device: str = "meta"
+    device_inputs: bool = False
+    block_counts: bool = False
+    table_threads: int = 1
+    geometries: Tuple[str, ...] = ALL
+
+    @property
+    def key(self) -> str:
+        return f"{self.label} @{self.device}"
+
+
+#: Every row of the trace bench, in printed order: the one place a row is added.
+ROWS = (
+    TraceRow("reference", "reference"),
+    TraceRow("mirror", "mirror"),
+    TraceRow("captured", "captured"),
+    TraceRow("mirror, block counts", "mirror", block_counts=True),
+    TraceRow("captured, block counts", "captured", block_counts=True,
+             geometries=("standard", "production")),
+    TraceRow("mirror, 2 threads", "mirror", table_threads=2, geometries=("production",)),
+    TraceRow("captured, 2 threads", "captured", table_threads=2,
+             geometries=("production",)),
+    TraceRow("mirror, counts, 2 threads", "mirror", block_counts=True, table_threads=2,
+             geometries=("production",)),
+    TraceRow("reference, device inputs", "reference", device_inputs=True,
+             geometries=("standard",)),
+    TraceRow("mirror, device inputs", "mirror", device_inputs=True,
+             geometries=("standard",)),
+    TraceRow("drop-in, device inputs", "drop-in", device_inputs=True,
+             geometries=("standard",)),
+    TraceRow("reference", "reference", device="cpu", geometries=("standard", "production")),
+    TraceRow("direct", "direct", device="cpu", geometries=("standard", "production")),
+)
+
+
+def rows_for(geometry: str) -> Tuple[TraceRow, ...]:
+    """The rows timed on ``geometry`` (a name of ``trace_geometries``; a geometry no
+    row names gets every row meant for all of them)."""
+    rows = tuple(row for row in ROWS if geometry in row.geometries)
+    return rows or tuple(row for row in ROWS if row.geometries == ALL)
+
+
+def trace_geometries(quick: bool) -> Dict[str, Tuple[TraceConfig, int]]:
     """``{name: (TraceConfig, steps)}``: full length, or short with ``quick``."""
     return {"standard": (STANDARD_TRACE, 40 if quick else STANDARD_TRACE.steps),
             "production": (PRODUCTION_TRACE, 12 if quick else PRODUCTION_TRACE.steps),
@@ -75,6 +122,7 @@ def _percentile(values: List[float], q: float) -> float:
 
 
 def _timed_pass(replay: Replay, trace: List[TraceStep]) -> List[float]:
+    """µs of each step's calls (``run``; ``prepare`` is untimed), collector off."""
     replay.reset()
     out = []
     gc.collect()
@@ -111,16 +159,21 @@ def _counts(replay: Replay, trace: List[TraceStep]) -> Dict[str, Any]:
             "syncs": syncs / steps, "overloads": overloads}
 
 
-def _runtime_calls(path: str, config: TraceConfig, trace: List[TraceStep],
-                   device: str, on_device: bool, known: Optional[List[List[int]]],
-                   counts: bool = False) -> Optional[Dict[str, float]]:
-    if path not in ("mirror", "captured", "drop-in") or device == "cpu":
+def _replay(row: TraceRow, config: TraceConfig, known: List[List[int]]) -> Replay:
+    """``row``'s replay; on meta, a path that reads back gets the host's values."""
+    return Replay(row.path, config, torch.device(row.device),
+                  table_device=row.device if row.device_inputs else "cpu",
+                  known=known if row.device == "meta" else None,
+                  counts=row.block_counts, table_threads=row.table_threads)
+
+
+def _runtime_calls(row: TraceRow, config: TraceConfig, trace: List[TraceStep],
+                   known: List[List[int]]) -> Optional[Dict[str, float]]:
+    if row.path == "reference" or row.device == "cpu":
         return None
     runtime = CountingRuntime()
     with use_runtime(runtime):
-        replay = Replay(path, config, torch.device(device),
-                        table_device=device if on_device else "cpu", known=known,
-                        counts=counts)
+        replay = _replay(row, config, known)
     replay.replay(trace)
     calls = {kind: count / len(trace) for kind, count in runtime.calls.items()}
     calls["total"] = sum(calls.values())
@@ -128,67 +181,57 @@ def _runtime_calls(path: str, config: TraceConfig, trace: List[TraceStep],
 
 
 def measure_trace(config: TraceConfig, steps: int, *, repeats: int = 5, seed: int = 0,
-                  device_route: bool = False, rows: Optional[tuple] = None
-                  ) -> Dict[str, Any]:
-    """Time and count every row (default ``ROWS``) over a ``steps``-step trace (see
-    the module docstring)."""
+                  rows: Optional[Tuple[TraceRow, ...]] = None,
+                  note: Callable[[str], None] = lambda text: None) -> Dict[str, Any]:
+    """Time and count ``rows`` (default: the standard geometry's) over a ``steps``-step
+    trace (see the module docstring); ``note`` hears of each pass as it starts."""
     torch.set_num_threads(1)
+    rows = rows_for("standard") if rows is None else rows
     trace = make_trace(config, steps, seed=seed)
     known = known_syncs(config, trace)
-    rows = (ROWS if rows is None else rows) + (DEVICE_ROWS if device_route else ())
-    meta_trace = device_inputs(trace, "meta") if device_route else trace
+    meta_trace = device_inputs(trace, "meta") if any(r.device_inputs for r in rows) \
+        else trace
     result: Dict[str, Any] = {
         "geometry": {"R": config.max_requests, "W": config.block_columns,
                      "BS": config.block_size, "K": config.depths},
         "shape": trace_shape_stats(trace), "micro_us_stock_meta": micro_us(), "rows": {}}
     with cpp_meta_kernels() as info:
         result["micro_us_cpp_meta"] = micro_us()
-        replays, inputs = {}, {}
-        for label, path, device, on_device, with_counts, threads in rows:
-            key = f"{label} @{device}"
-            replays[key] = Replay(path, config, torch.device(device),
-                                  table_device=device if on_device else "cpu",
-                                  known=known if (path in ("reference", "drop-in")
-                                                  and device == "meta")
-                                  else None, counts=with_counts,
-                                  table_threads=threads)
-            inputs[key] = meta_trace if on_device else trace
+        replays = {row.key: _replay(row, config, known) for row in rows}
+        inputs = {row.key: meta_trace if row.device_inputs else trace for row in rows}
+        note(f"warming and counting {len(rows)} rows")
         counts, used = {}, set()
-        for key, replay in replays.items():  # warm (JIT, plans), then count
-            replay.replay(inputs[key])
-            counts[key] = _counts(replay, inputs[key])
-            if key.endswith("@meta"):
-                used |= counts[key].pop("overloads")
-            else:
-                counts[key].pop("overloads")
+        for row in rows:  # warm (JIT, plans), then count
+            replays[row.key].replay(inputs[row.key])
+            counts[row.key] = _counts(replays[row.key], inputs[row.key])
+            overloads = counts[row.key].pop("overloads")
+            if row.device == "meta":
+                used |= overloads
         result["meta_setup"] = {**meta_setup_report(sorted(used, key=str), info),
                                 "redirected": info["redirected"],
                                 "kept_python": len(info["kept_python"])}
-        samples: Dict[str, List[List[float]]] = {key: [] for key in replays}
-        order = list(replays)
+        samples: Dict[str, List[List[float]]] = {row.key: [] for row in rows}
         rng = np.random.default_rng(seed)
-        for _ in range(repeats):
-            for index in rng.permutation(len(order)):
-                key = order[index]
+        for number in range(repeats):
+            note(f"pass {number + 1} of {repeats}")
+            for index in rng.permutation(len(rows)):
+                key = rows[index].key
                 samples[key].append(_timed_pass(replays[key], inputs[key]))
-        for (label, path, device, on_device, with_counts, threads), key in zip(rows,
-                                                                             replays):
-            per_step = [statistics.median(s) for s in zip(*samples[key])]
-            row = {"label": label, "path": path, "device": device,
-                   "device_inputs": on_device, "median_us": statistics.median(per_step),
-                   "p90_us": _percentile(per_step, 90), **counts[key],
-                   "block_counts": with_counts, "table_threads": threads,
-                   "runtime_calls": _runtime_calls(path, config, inputs[key], device,
-                                                   on_device, replays[key].known,
-                                                   with_counts)}
-            if device == "meta":
-                row["launch_estimate_us"] = (row["median_us"]
-                                             + LAUNCH_US * row["device_data_ops"])
-            result["rows"][key] = row
-    for key, row in result["rows"].items():
-        base = result["rows"][f"reference @{row['device']}"]
-        if row["device_inputs"]:
-            base = result["rows"]["reference, device inputs @meta"]
+        for row in rows:
+            per_step = [statistics.median(s) for s in zip(*samples[row.key])]
+            out = {"label": row.label, "path": row.path, "device": row.device,
+                   "device_inputs": row.device_inputs,
+                   "median_us": statistics.median(per_step),
+                   "p90_us": _percentile(per_step, 90), **counts[row.key],
+                   "block_counts": row.block_counts, "table_threads": row.table_threads,
+                   "runtime_calls": _runtime_calls(row, config, inputs[row.key], known)}
+            if row.device == "meta":
+                out["launch_estimate_us"] = out["median_us"] + LAUNCH_US * out[
+                    "device_data_ops"]
+            result["rows"][row.key] = out
+    for row in result["rows"].values():
+        base = result["rows"][("reference, device inputs" if row["device_inputs"]
+                               else "reference") + f" @{row['device']}"]
         row["speedup_vs_reference"] = base["median_us"] / row["median_us"]
         if "launch_estimate_us" in row:
             row["launch_speedup_vs_reference"] = (base["launch_estimate_us"]
@@ -196,46 +239,114 @@ def measure_trace(config: TraceConfig, steps: int, *, repeats: int = 5, seed: in
     return result
 
 
+def _check_arguments(rows: Tuple[TraceRow, ...]) -> Dict[str, Any]:
+    """``check_trace``'s keyword arguments that replay every path ``rows`` time."""
+    paths = tuple(dict.fromkeys(row.path for row in rows if row.path != "reference"))
+    return {"paths": paths,
+            "counts": tuple(dict.fromkeys(r.path for r in rows if r.block_counts)),
+            "threaded": tuple(dict.fromkeys(r.path for r in rows if r.table_threads > 1)),
+            "device_inputs": any(r.device_inputs and r.path == "mirror" for r in rows)}
+
+
+def _checked_line(name: str, steps: int, arguments: Dict[str, Any]) -> str:
+    paths = ", ".join(arguments["paths"])
+    extras = [f"{', '.join(arguments['counts'])} with block counts"] \
+        if arguments["counts"] else []
+    if arguments["threaded"]:
+        extras.append(f"{', '.join(arguments['threaded'])} on two table threads")
+    if arguments["device_inputs"]:
+        extras.append("mirror with device inputs")
+    more = f" (and {'; '.join(extras)})" if extras else ""
+    return (f"{name} trace: {paths}{more} leave the reference's view and buffers on all "
+            f"{steps} checked steps (CPU)")
+
+
 def run_trace(args: Any) -> int:
-    """``mtpmeta bench --trace``: check, then time and print both geometries; 1 when a
-    path's view or buffers differ from the reference's on a trace step (CPU), else 0.
-    ``args``: ``quick``, ``repeats``, ``seed``, ``json`` (the results under "trace")."""
+    """``mtpmeta bench --trace``: per geometry, check then time and print; 1 when a
+    path's view or buffers differ from the reference's on a trace step (CPU), else 0
+    after the verdict. ``args``: ``quick``, ``repeats``, ``seed``, ``json`` (the
+    results under "trace")."""
     import json
-    import sys
 
-    from mtpmeta.bench.trace_replay import check_trace
+    from mtpmeta.bench import trace_replay
+    from mtpmeta.bench.cli import note
 
+    geometries = trace_geometries(args.quick)
+    repeats = args.repeats or (2 if args.quick else 5)
+    note(f"trace: {len(geometries)} geometries ({', '.join(geometries)}), each checked "
+         f"against the reference on the CPU, then timed in {repeats} interleaved passes")
     out: Dict[str, Any] = {}
-    for name, (config, steps) in trace_geometries(args.quick).items():
-        wide = config is PRODUCTION_WIDE_TRACE  # the check's CPU replays: a few steps
-        if wide:  # the mirror path only, with and without counts (memory, time)
-            mismatch = check_trace(config, make_trace(config, 4, seed=args.seed),
-                                   paths=("mirror",), counts=("mirror",),
-                                   device_inputs=False, threaded=("mirror",))
-        else:
-            mismatch = check_trace(config, make_trace(config, steps, seed=args.seed))
+    checked: Dict[str, int] = {}
+    for name, (config, steps) in geometries.items():
+        rows = rows_for(name)
+        arguments = _check_arguments(rows)
+        check_steps = min(steps, CHECK_STEPS.get(name, steps))
+        note(f"{name} trace: checking {', '.join(arguments['paths'])} against the "
+             f"reference on {check_steps} steps")
+        mismatch = trace_replay.check_trace(
+            config, make_trace(config, check_steps, seed=args.seed), **arguments)
         if mismatch:
             print(f"mtpmeta bench: RESULTS DIFFER ({name} trace): {mismatch}",
-                  file=sys.stderr)
+                  file=sys.stderr, flush=True)
             return 1
-        print(f"{name} trace: " + (
-            "mirror, with and without block counts and on two table threads, leaves "
-            "the reference's view and buffers on the first 4 steps (CPU)" if wide
-            else f"direct, mirror, captured, mirror with device inputs and the drop-in, "
-            f"the first three with block counts, and mirror and captured on two table "
-            f"threads with and without them, leave the reference's view and buffers "
-            f"on all {steps} steps (CPU)"))
-        out[name] = measure_trace(config, steps, repeats=args.repeats or
-                                  (2 if args.quick else 5), seed=args.seed,
-                                  device_route=name == "standard",
-                                  rows=WIDE_ROWS if wide else
-                                  ROWS + THREADED_ROWS if name == "production" else None)
-        print(format_trace(name, out[name]))
+        checked[name] = check_steps
+        print(_checked_line(name, check_steps, arguments), flush=True)
+        note(f"{name} trace: timing {len(rows)} rows over {steps} steps")
+        out[name] = measure_trace(config, steps, repeats=repeats, seed=args.seed,
+                                  rows=rows,
+                                  note=lambda text, name=name: note(f"{name} trace: {text}"))
+        print(format_trace(name, out[name]), flush=True)
+    growth = _width_growth(out)
+    if growth is not None:
+        print(f"capacity, {_growth_text(growth)} (near 1: the host cost follows the "
+              f"blocks in use, not the table's width)", flush=True)
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"trace": out}, handle, indent=2, default=str)
-        print(f"wrote {args.json}")
+        print(f"wrote {args.json}", flush=True)
+    print(verdict_line(out, checked, growth), flush=True)
     return 0
+
+
+def _width_growth(out: Dict[str, Any]) -> Optional[Tuple[Dict[str, float], int, int]]:
+    """``({label: growth}, W, wide W)``: each meta row's µs on the wide production
+    table over the production one (the same traffic), when both geometries ran."""
+    if "production" not in out or "production W 8192" not in out:
+        return None
+    narrow, wide = out["production"], out["production W 8192"]
+    growth = {row["label"]: row["median_us"] / narrow["rows"][key]["median_us"]
+              for key, row in wide["rows"].items()
+              if row["device"] == "meta" and row["path"] != "reference"
+              and key in narrow["rows"]}
+    return growth, narrow["geometry"]["W"], wide["geometry"]["W"]
+
+
+def _growth_text(growth: Tuple[Dict[str, float], int, int]) -> str:
+    ratios, narrow, wide = growth
+    return (f"µs per step at W {wide} over W {narrow} on the same traffic: "
+            + ", ".join(f"{label} {ratio:.2f}x" for label, ratio in ratios.items()))
+
+
+def verdict_line(out: Dict[str, Any], checked: Dict[str, int],
+                 growth: Optional[Tuple[Dict[str, float], int, int]] = None) -> str:
+    """The run in one line: the traces checked, and per geometry the reference's µs
+    over the mirror path's and the captured loop's on meta, and the fastest row's."""
+    parts = []
+    for name, result in out.items():
+        rows = {key: row for key, row in result["rows"].items()
+                if row["device"] == "meta" and row["path"] != "reference"}
+        shown = [rows[key] for key in ("mirror @meta", "captured @meta") if key in rows]
+        best = max(rows.values(), key=lambda row: row["speedup_vs_reference"], default=None)
+        if best is not None and all(best is not row for row in shown):
+            shown.append(best)
+        parts.append(f"{name} " + ", ".join(
+            f"{row['label']} {row['speedup_vs_reference']:.2f}x" for row in shown))
+    steps = ", ".join(f"{name} {count}" for name, count in checked.items())
+    capacity = "" if growth is None else f"; {_growth_text(growth)}"
+    return (f"verdict: every timed path left the reference's views and buffers on the "
+            f"checked trace steps ({steps}; CPU); the reference's host µs per step over "
+            f"each path's on meta (the host's share of a GPU step): {'; '.join(parts)}"
+            f"{capacity}")
 
 
 def _row_line(row: Dict[str, Any]) -> str:

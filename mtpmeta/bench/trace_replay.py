@@ -17,21 +17,19 @@ from a CPU replay of the same trace, and counts them (``patched``). Its
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numba
 import torch
-from torch.utils._pytree import tree_flatten
 
 from mtpmeta.kernels import table_threads
 from mtpmeta.reference import ReferenceMTPMetadata
 from mtpmeta.buffers.device_runtime import TorchRuntime
-from mtpmeta.bench.opcount import OpCounter
 from mtpmeta.bench.trace import TraceConfig, TraceStep
 from mtpmeta.bench.variants import build, state_of
 
-__all__ = ["HostKnownReference", "DropIn", "Replay", "known_syncs", "DeviceOpCounter",
-           "CountingRuntime", "check_trace", "device_inputs"]
+__all__ = ["HostKnownReference", "DropIn", "PATHS", "Replay", "known_syncs", "check_trace",
+           "device_inputs"]
 
 
 class HostKnownReference(ReferenceMTPMetadata):
@@ -84,22 +82,41 @@ class DropIn(HostKnownReference):
                                         padded_request_count)
 
 
-def _build(path: str, config: TraceConfig, device: torch.device):
+def _library(path: str, config: TraceConfig, device: torch.device):
+    return build(path, config.step_config(), device)
+
+
+def _reference(config: TraceConfig, device: torch.device):
     step_config = config.step_config()
-    if path not in ("reference", "drop-in"):
-        return build("mirror" if path == "captured" else path, step_config, device)
-    kwargs = step_config.metadata_kwargs()
-    meta = (DropIn(step_config.max_tokens, **kwargs) if path == "drop-in"
-            else HostKnownReference(**kwargs))
+    meta = HostKnownReference(**step_config.metadata_kwargs())
     meta.allocate(device)
-    _, view = build("reference", step_config, device)
-    return meta, view
+    return meta, build("reference", step_config, device)[1]
+
+
+def _drop_in(config: TraceConfig, device: torch.device):
+    step_config = config.step_config()
+    meta = DropIn(step_config.max_tokens, **step_config.metadata_kwargs())
+    meta.allocate(device)
+    return meta, build("reference", step_config, device)[1]
+
+
+#: How each path's ``(metadata, view)`` is built for a trace geometry on a device: the
+#: one place a new path joins the replay (``trace_bench.ROWS`` then names it in a row).
+#: A path whose metadata must answer read-backs from the host on ``meta`` is a
+#: ``HostKnownReference`` (a :class:`Replay` hands it the values the host knows). ``captured`` is the mirror path whose draft loop is its host
+#: side only (:class:`Replay`).
+PATHS: Dict[str, Callable[[TraceConfig, torch.device], Tuple[Any, Any]]] = {
+    "reference": _reference,
+    "direct": lambda config, device: _library("direct", config, device),
+    "mirror": lambda config, device: _library("mirror", config, device),
+    "captured": lambda config, device: _library("mirror", config, device),
+    "drop-in": _drop_in,
+}
 
 
 class Replay:
-    """One path (``reference``, ``direct``, ``mirror``, ``captured``, ``drop-in``) on
-    ``device``,
-    replaying trace steps with the table on ``table_device`` (default: the host).
+    """One path (a name in ``PATHS``) on ``device``, replaying trace steps with the
+    table on ``table_device`` (default: the host).
 
     ``counts``: the calls pass the step's ``block_counts`` (the opt-in of contract §5);
     ``masked``: the table holds the dummy block instead of -1 past each row's blocks,
@@ -110,7 +127,7 @@ class Replay:
                  depths: bool = False, counts: bool = False, masked: bool = False,
                  table_threads: int = 1) -> None:
         self.path, self.config = path, config
-        self.meta, self.view = _build(path, config, device)
+        self.meta, self.view = PATHS[path](config, device)
         self.counts = counts
         self.table_threads = table_threads  # table_threads.THREADS for its steps
         self.empty = self.meta.dummy_block_idx if masked else -1  # past the blocks
@@ -118,7 +135,8 @@ class Replay:
                                 dtype=torch.int32)
         self.draft_table = (self.table if table_device == "cpu" else
                             self.table.to(table_device))  # begin_decode's
-        self.known = known  # per step, for a reference on meta
+        # per step, for a path that answers its read-backs from the host (on meta)
+        self.known = known if isinstance(self.meta, HostKnownReference) else None
         self.captured = path == "captured"
         self.depths = depths or not self.captured
 
@@ -203,76 +221,6 @@ def device_inputs(trace: List[TraceStep], device: str) -> List[TraceStep]:
     from dataclasses import replace
 
     return [replace(s, start_positions=s.start_positions.to(device)) for s in trace]
-
-
-class DeviceOpCounter(OpCounter):
-    """``OpCounter`` that also counts the data ops touching a non-CPU tensor
-    (``device_data_ops``): on a GPU, each is a kernel launch or a copy."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.device_data_ops = 0
-        self.overloads: set = set()  # every OpOverload dispatched
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        result = super().__torch_dispatch__(func, types, args, kwargs)
-        self.overloads.add(func)
-        if not func.is_view:
-            values, _ = tree_flatten((args, kwargs or {}, result))
-            if any(isinstance(v, torch.Tensor) and not v.is_cpu for v in values):
-                self.device_data_ops += 1
-        return result
-
-
-class _Stream:
-    def __init__(self, calls: Dict[str, int]) -> None:
-        self.calls = calls
-
-    def wait_event(self, event: Any) -> None:
-        self.calls["stream.wait_event"] += 1
-
-
-class _Event:
-    def __init__(self, calls: Dict[str, int]) -> None:
-        self.calls = calls
-
-    def record(self, stream: Any = None) -> None:
-        self.calls["event.record"] += 1
-
-    def query(self) -> bool:
-        self.calls["event.query"] += 1
-        return True
-
-    def synchronize(self) -> None:
-        self.calls["event.synchronize"] += 1
-
-
-class CountingRuntime(TorchRuntime):
-    """``TorchRuntime`` that gives any non-CPU device (``meta``) a CUDA-like event and
-    stream and counts every event, stream and ``record_stream`` call."""
-
-    KINDS = ("event", "event.record", "event.query", "event.synchronize",
-             "current_stream", "stream.wait_event", "record_stream")
-
-    def __init__(self) -> None:
-        self.calls: Dict[str, int] = {kind: 0 for kind in self.KINDS}
-        self._stream = _Stream(self.calls)
-
-    def event(self, device: torch.device):
-        if device.type == "cpu":
-            return None
-        self.calls["event"] += 1
-        return _Event(self.calls)
-
-    def current_stream(self, device: torch.device):
-        if device.type == "cpu":
-            return None
-        self.calls["current_stream"] += 1
-        return self._stream
-
-    def record_stream(self, tensor: torch.Tensor, device: torch.device) -> None:
-        if device.type != "cpu":
-            self.calls["record_stream"] += 1
 
 
 class _MarkedInputs(TorchRuntime):

@@ -19,6 +19,12 @@ mask), int32 positions, counts and tables, each per-request input a slice of a
 ``[R]`` tensor. ``StepInputs.as_numpy`` gives the same step with numpy arrays, which
 the bench keeps as a second row for comparison.
 
+``PRODUCTION`` is the step at a production-like size (R 1024, N 768, W 2048), and
+``production_steps`` draws its start positions from a log-normal spread of context
+lengths (median 3000 tokens) instead of uniformly over the table: a real engine's
+requests use a few percent of the columns, so a cost that follows the capacity rather
+than the work shows there.
+
 ``make_steps`` draws the inputs once (from ``np.random.default_rng(seed)``), so the
 timed loop measures only the library calls; ``run_step`` drives any object with the
 MTPMetadata API (the library or the reference) through one step.
@@ -34,8 +40,8 @@ import torch
 
 from mtpmeta.buffers.layout import round_up
 
-__all__ = ["StepConfig", "StepInputs", "make_steps", "run_step", "run_step_commit_first",
-           "run_step_groups"]
+__all__ = ["StepConfig", "StepInputs", "make_steps", "PRODUCTION", "production_steps",
+           "run_step", "run_step_commit_first", "run_step_groups"]
 
 
 @dataclass(frozen=True)
@@ -160,6 +166,32 @@ def make_steps(config: StepConfig = StepConfig(), steps: int = 8,
             padded_tokens=padded_tokens,
             padded_requests=n + 1,
         ))
+    return out
+
+
+#: The standard step at a production-like size (see the module docstring).
+PRODUCTION = StepConfig(max_requests=1024, block_columns=2048, block_size=64, active=768,
+                        depths=3, prefill_tokens=256, inherited_blocks=8, tp=8)
+
+
+def production_steps(config: StepConfig = PRODUCTION, steps: int = 4,
+                     seed: int = 0) -> List[StepInputs]:
+    """``make_steps`` with start positions from a log-normal spread of context lengths
+    (median 3000 tokens, sigma 1, clipped to the table) instead of uniform over the
+    table's capacity; the commit starts follow them (start - count, floored at 0)."""
+    rng = np.random.default_rng(seed + 1)
+    limit = config.block_columns * config.block_size - config.depths - 4
+    n = config.active
+    out = []
+    for step in make_steps(config, steps, seed=seed):
+        starts = np.zeros(config.max_requests, dtype=np.int32)
+        starts[:n] = np.clip(rng.lognormal(np.log(3000.0), 1.0, n), 0, limit)
+        counts = step.append_counts.numpy()
+        commit = np.zeros(config.max_requests, dtype=np.int32)
+        commit[:n + 1] = step.commit_starts.numpy()
+        commit[:n] = np.maximum(starts[:n] - counts[:n], 0)
+        out.append(replace(step, start_positions=torch.from_numpy(starts)[:n],
+                           commit_starts=torch.from_numpy(commit)[:n + 1]))
     return out
 
 

@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any, Dict, List, Optional
 
-from mtpmeta.bench.usage import ToolParser, device_problem, output_problem, parse, \
+from mtpmeta.bench.cli import ToolParser, device_problem, output_problem, parse, \
     positive_int, usage_error
 from mtpmeta.simulate.config import SimConfig
 from mtpmeta.simulate.runner import PATHS, run_path

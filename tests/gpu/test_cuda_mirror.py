@@ -305,7 +305,7 @@ def test_commit_pass_takes_the_draft_loop_rows_device_to_device():
     a table that differs in one entry), and both views are the reference's, though a
     write behind the version counter (``.data``) changed ``block_table`` meanwhile:
     the rows come from the private copy begin_decode filled."""
-    from mtpmeta.bench.h2d import H2DCounter, StagingRecorder
+    from mtpmeta.bench.counters import H2DCounter, StagingRecorder
 
     recorder = StagingRecorder()
     meta, view = _gpu(recorder)
