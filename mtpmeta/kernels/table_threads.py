@@ -20,7 +20,9 @@ What a threaded pass costs the process:
   (``omp`` on Linux: set by ``NUMBA_THREADING_LAYER``, or started by a parallel kernel
   or a ``numba.get_num_threads``/``set_num_threads`` call that came first) gets a
   RuntimeError at each threaded pass, saying so: the pass is refused, not run on it
-  (``MTPMETA_TABLE_THREADS=1`` runs it on the calling thread).
+  (``MTPMETA_TABLE_THREADS=1`` runs it on the calling thread). The refusal comes
+  where the call reaches its table pass, part-way through its staging: a setup error
+  to fix before serving, not one to catch and carry on from.
 - **The workqueue is not thread-safe**: two threads inside its parallel kernels at once
   abort the process. The passes hold a lock around each launch on it, so two threads
   running table passes take turns; other numba parallel code in the process shares
@@ -69,6 +71,7 @@ THREADS = threads_from(os.environ.get("MTPMETA_TABLE_THREADS", ""))
 
 _layer: Optional[str] = None  # numba's layer, once a threaded pass found it fork-safe
 _launch_lock = threading.Lock()  # one launch at a time on the workqueue layer
+_choice_lock = threading.Lock()  # one start of numba's layer by the passes
 
 
 def _started_layer() -> Optional[str]:
@@ -87,17 +90,18 @@ def threading_layer() -> str:
     global _layer
     if _layer is not None:
         return _layer
-    layer = _started_layer()
-    if layer is None:
-        config = numba.config
-        chosen = config.THREADING_LAYER
-        if str(chosen).lower() == "default":
-            config.THREADING_LAYER = "forksafe"
-        try:
-            numba.get_num_threads()  # starts numba's threads on the layer configured
-        finally:
-            config.THREADING_LAYER = chosen
-        layer = numba.threading_layer()
+    with _choice_lock:  # one thread sets numba's config and starts the layer
+        layer = _started_layer()
+        if layer is None:
+            config = numba.config
+            chosen = config.THREADING_LAYER
+            if str(chosen).lower() == "default":
+                config.THREADING_LAYER = "forksafe"
+            try:
+                numba.get_num_threads()  # starts numba's threads on the layer configured
+            finally:
+                config.THREADING_LAYER = chosen
+            layer = numba.threading_layer()
     if layer not in FORK_SAFE:
         raise RuntimeError(
             f"MTPMETA_TABLE_THREADS={THREADS}: the table threads need a fork-safe numba "
