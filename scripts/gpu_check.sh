@@ -1,18 +1,26 @@
 #!/usr/bin/env bash
 # One trustworthy GPU check for a CUDA machine, offline, in under 5 minutes:
-#   bash scripts/gpu_check.sh [OUTPUT_DIR]      (default: $OUT, else ./gpu-check-out)
+#   [PYTHON=python3] bash scripts/gpu_check.sh [OUTPUT_DIR]
+# OUTPUT_DIR (default: $OUT, else ./gpu-check-out, both from the directory it is run
+# from) receives the logs and gpu_check.json; nothing else is left anywhere: no
+# bytecode or cache in the checkout, and the numba cache, pytest's temporary files and
+# every child's TMPDIR live in one private temporary directory that is removed on exit
+# (a trap, also on INT and TERM). PYTHON names the interpreter (default python3).
 # Nothing is installed: the package runs from this source tree (PYTHONPATH=repo root;
-# mtpmeta/__init__.py loads native/ as mtpmeta.native), on the machine's CUDA torch,
-# numba, numpy and pytest as they are (hypothesis is not needed), so it works without
-# setuptools and on an externally-managed (PEP 668) Python. It prints the versions, runs
-# tests/gpu (parity, the event-query detector of hidden syncs and fence stalls and its
-# pageable negative control, no sync under set_sync_debug_mode("error"), a real
-# CUDAGraph replay with fewer real requests, the pinned-slot race stress and its
-# no-fence control, two overlapping streams and their planted shared-stage control, the
-# device start clamp, the carry, launches per call), the simulate engine on CUDA and
-# the host-cost benchmark. A test that skips, and a simulate run that fails or does not
-# run, count as failures. Writes OUTPUT_DIR/gpu_check.json and exits non-zero on any
-# failure; without a CUDA device it runs nothing and says so in one line.
+# mtpmeta/__init__.py loads native/ as mtpmeta.native), on that interpreter's CUDA
+# torch, numba, numpy and pytest as they are (hypothesis is not needed), so it works
+# without setuptools and on an externally-managed (PEP 668) Python. It prints the
+# versions, runs tests/gpu (parity, the event-query detector of hidden syncs and fence
+# stalls and its pageable negative control, no sync under set_sync_debug_mode("error"),
+# a real CUDAGraph replay with fewer real requests, the pinned-slot race stress and its
+# no-fence control, the standard-step ring stress on 2 to 4 slots with its host-ahead
+# check and no-fence control, two overlapping streams and their planted shared-stage
+# control, the device start clamp, the carry, launches per call), the simulate engine
+# on CUDA once as its CLI (the GPU tests' own CLI run is deselected: the same run) and
+# the host-cost benchmark. A test that skips, and a simulate run that fails, misses a
+# feature or does not run, count as failures. Writes OUTPUT_DIR/gpu_check.json and
+# exits non-zero on any failure; without a CUDA device it runs nothing and says so in
+# one line.
 #
 # Time: every step runs under its own limit, min(its cap, what GPU_CHECK_BUDGET has
 # left less the summary's share), so the whole script ends inside GPU_CHECK_BUDGET
@@ -22,13 +30,25 @@
 # later), never by the outer kill, and the summary names it as killed, or as not run
 # when the budget was spent before it.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+if ! command -v "$PYTHON" >/dev/null 2>&1; then
+    echo "gpu_check: interpreter '$PYTHON' not found (set PYTHON)"
+    exit 2
+fi
 out="${1:-${OUT:-gpu-check-out}}"
+mkdir -p "$out" && out="$(cd "$out" && pwd)" || exit 2  # from the caller's directory
+work="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")" || exit 2
+trap 'rm -rf "$work"' EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+cd "$(dirname "$0")/.." || exit 2
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the source tree, not an install
-mkdir -p "$out"
+export PYTHONDONTWRITEBYTECODE=1  # no __pycache__ in the checkout
+mkdir -p "$work/tmp"
+export TMPDIR="$work/tmp"  # pytest's tmp_path and every child's temporary files
 : >"$out/steps.txt"
 export PYTHONUNBUFFERED=1
-export NUMBA_CACHE_DIR="${NUMBA_CACHE_DIR:-$(mktemp -d)}"
+export NUMBA_CACHE_DIR="${NUMBA_CACHE_DIR:-$work/numba-cache}"
 budget="${GPU_CHECK_BUDGET:-280}"
 GRACE=5  # seconds between a step's SIGINT and its SIGKILL
 SUMMARY_CAP=15
@@ -58,7 +78,7 @@ step() {
     return "$rc"
 }
 
-step versions 30 python3 - <<'EOF'
+step versions 30 "$PYTHON" - <<'EOF'
 import os
 import sys
 import numba, numpy, torch
@@ -80,21 +100,22 @@ fi
 tail -25 "$out/versions.log"
 [ "$rc" -eq 0 ] || { echo "gpu_check: environment check failed (exit $rc)"; exit 2; }
 
-step gpu_tests 140 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu \
+step gpu_tests 140 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/gpu \
+    --deselect tests/gpu/test_simulate_cuda.py::test_cuda_cli_quick_run \
     --junitxml="$out/gpu_tests.xml" || status=1
 tail -25 "$out/gpu_tests.log"
 
 # The simulate engine must run: a missing subcommand, a failure or a timeout fails.
-step simulate 40 python3 -m mtpmeta simulate --quick --device cuda \
+step simulate 40 "$PYTHON" -m mtpmeta simulate --quick --device cuda \
     --json "$out/simulate.json" || { echo "simulate failed or did not run"; status=1; }
 tail -12 "$out/simulate.log" 2>/dev/null
 [ -s "$out/simulate.json" ] || { echo "simulate wrote no result"; status=1; }
 
-step bench 55 python3 -m mtpmeta bench --quick --device cuda --no-cold-start \
+step bench 55 "$PYTHON" -m mtpmeta bench --quick --device cuda --no-cold-start \
     --json "$out/bench.json" || status=1
 tail -25 "$out/bench.log" 2>/dev/null
 
-step summary "$SUMMARY_CAP" python3 - "$out" "$status" <<'EOF'
+step summary "$SUMMARY_CAP" "$PYTHON" - "$out" "$status" <<'EOF'
 import json, os, sys
 import xml.etree.ElementTree as ET
 
@@ -130,7 +151,8 @@ summary["tests_passed"] = sum(v == "passed" for v in tests.values())
 summary["tests_not_passed"] = sorted(k for k, v in tests.items() if v != "passed")
 # Negative controls: each passes only if its planted bug was caught.
 controls = ("test_stress_detects_missing_fences", "test_the_detector_trips_on_one_pageable_copy",
-            "test_two_streams_catch_a_planted_shared_device_stage")
+            "test_two_streams_catch_a_planted_shared_device_stage",
+            "test_no_fence_waits_let_the_standard_step_stress_see_wrong_forwards")
 found = {name: [v for k, v in tests.items() if k.endswith(name)] for name in controls}
 summary["negative_controls"] = {name: bool(v) and v[0] == "passed" for name, v in found.items()}
 summary["negative_control_failed_as_required"] = all(summary["negative_controls"].values())
@@ -139,11 +161,18 @@ summary["negative_control_failed_as_required"] = all(summary["negative_controls"
 if summary["tests_not_passed"] or not tests or \
         not os.path.exists(os.path.join(out, "simulate.json")):
     status = 1
-summary["exit_status"] = status
 for name in ("bench.json", "simulate.json"):
     p = os.path.join(out, name)
     if os.path.exists(p):
         summary[name[:-5]] = json.load(open(p))
+# The simulate run checks what the deselected CLI test checked: ok, no feature missed.
+simulate = summary.get("simulate") or {}
+summary["simulate_ok"] = bool(simulate.get("ok")) and all(
+    not r.get("missing_features") for r in simulate.get("results", [])) and \
+    bool(simulate.get("results"))
+if not summary["simulate_ok"]:
+    status = 1
+summary["exit_status"] = status
 with open(os.path.join(out, "gpu_check.json"), "w") as f:
     json.dump(summary, f, indent=1, default=str)
 print(json.dumps({k: v for k, v in summary.items() if k not in ("bench", "simulate", "tests")},

@@ -101,6 +101,79 @@ def test_device_token_maps_allocate_nothing_after_the_first_call(device_route, r
     assert [c.data_ops for c in counters[1:]] == [ops] * 2, [c.ops for c in counters]
 
 
+def _inherited_calls(rng, meta, inherited_dtype):
+    """Three device-route ``write_token_maps`` inputs with ``inherited_blocks`` (``[R]`` of
+    ``inherited_dtype``, counts in ``[0, 4)``): ``(rows, positions, table, inherited,
+    padded)``, fresh tensors each call as a caller passes them."""
+    limit = meta.max_kv_block_count * meta.block_size_tokens
+    for _ in range(3):
+        T = int(rng.integers(4, 20))
+        yield (torch.tensor(rng.integers(0, meta.max_requests, T)),
+               torch.tensor(rng.integers(0, limit, T), dtype=torch.int32),
+               _table(rng, meta),
+               torch.tensor(rng.integers(0, 4, meta.max_requests), dtype=inherited_dtype),
+               T + int(rng.integers(0, 4)))
+
+
+@pytest.mark.parametrize("inherited_dtype", [torch.int32, torch.int64])
+def test_device_route_keeps_inherited_blocks_in_fixed_scratch(device_route, rng,
+                                                              inherited_dtype):
+    """The device route of ``write_token_maps`` with ``inherited_blocks``, and the copy
+    of them its record keeps (``DeviceRoute.keep_inherited``): after the view's first
+    call no new storage and no read-back, the view equals the reference's, the kept
+    copy holds the call's counts and keeps them when the caller then changes its
+    tensor. An ``inherited_blocks`` longer than ``R`` is kept by a copy of its own."""
+    meta, ref, view, ref_view = _pair()
+    route, target = meta._backend.device_route, meta._target(view)
+    counters = []
+    for rows, positions, table, inherited, padded in _inherited_calls(rng, meta,
+                                                                      inherited_dtype):
+        with OpCounter() as counter:
+            route.write_token_maps(target, rows, positions, table, inherited, padded)
+            kept = route.keep_inherited(target, inherited)
+        counters.append(counter)
+        ref.write_token_maps(ref_view, rows, positions, table, padded, inherited)
+        assert_views_equal(view, ref_view)
+        want = inherited.clone()
+        inherited.add_(7)  # the caller reuses its tensor
+        assert torch.equal(kept, want) and kept.dtype == inherited_dtype
+    assert all(c.scalar_reads == 0 for c in counters)
+    assert [c.new_storages for c in counters[1:]] == [0, 0], \
+        [c.new_storage_ops for c in counters]
+    longer = torch.arange(meta.max_requests + 3, dtype=inherited_dtype)
+    kept = route.keep_inherited(target, longer)
+    assert torch.equal(kept, longer) and kept.data_ptr() != longer.data_ptr()
+    assert route.keep_inherited(target, None) is None
+
+
+@pytest.mark.xfail(strict=True, reason="the writer records a device inherited_blocks "
+                   "with a clone (MetadataState._record_inherited), not the route's "
+                   "DeviceRoute.keep_inherited")
+@pytest.mark.skipif(os.environ.get("MTPMETA_DEBUG") == "1",
+                    reason="MTPMETA_DEBUG=1: the invariant checks issue torch ops")
+def test_device_token_maps_with_inherited_blocks_allocate_nothing_after_the_first_call(
+        device_route, rng):
+    """``write_token_maps`` with device ``inherited_blocks`` may be captured like the
+    rest of the device route: after the view's first call no call allocates (the
+    record ``check_invariants`` reads included), the view equals the reference's and
+    the record keeps the call's counts after the caller changes its tensor."""
+    meta, ref, view, ref_view = _pair()
+    counters = []
+    for rows, positions, table, inherited, padded in _inherited_calls(rng, meta,
+                                                                      torch.int32):
+        with OpCounter() as counter:
+            meta.write_token_maps(view, rows, positions, table, padded, inherited)
+        counters.append(counter)
+        ref.write_token_maps(ref_view, rows, positions, table, padded, inherited)
+        assert_views_equal(view, ref_view)
+        want = inherited.clone()
+        inherited.add_(7)
+        assert torch.equal(meta.last_forward.inherited, want)
+        meta.check_invariants(view)
+    assert [c.new_storages for c in counters[1:]] == [0, 0], \
+        [c.new_storage_ops for c in counters]
+
+
 def test_device_token_maps_send_out_of_table_columns_to_the_dummy_block(device_route):
     """Device values cannot be checked without a sync; a column beyond the table must
     then land in the dummy block, never in a real block of another column."""

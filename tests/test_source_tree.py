@@ -61,9 +61,62 @@ def test_gpu_check_installs_nothing_and_fits_in_five_minutes():
     caps = [summary_cap if cap == '"$SUMMARY_CAP"' else int(cap) for _, cap in steps]
     assert sum(caps) <= budget <= 280, (caps, budget)
     assert 'timeout -s INT -k "$GRACE" "$limit" "$@"' in script
-    # Every python3 invocation runs as a step, under its limit.
-    untimed = [line for line in commands if re.search(r"^\s*python3\b", line)]
+    # Every interpreter invocation runs as a step, under its limit, on $PYTHON.
+    untimed = [line for line in commands
+               if re.search(r'^\s*("\$PYTHON"|python3?\b)', line)]
     assert not untimed, untimed
+    assert 'PYTHON="${PYTHON:-python3}"' in script
+    bare = [line for line in commands if re.search(r"^step .*\bpython3?\b", line)]
+    assert not bare, bare
+
+
+def test_gpu_check_runs_the_simulate_job_once():
+    """The simulate engine's quick CLI run is the script's own step; the GPU tests'
+    copy of that very run is deselected (each costs a fresh interpreter's compile), so
+    simulate runs twice in all: that step and the GPU tests' in-process 200-step run."""
+    script = SCRIPT.read_text()
+    commands = [line for line in script.splitlines() if not line.lstrip().startswith("#")]
+    assert sum("-m mtpmeta simulate" in line for line in commands) == 1
+    deselected = re.findall(r"--deselect (\S+)", script)
+    assert deselected == ["tests/gpu/test_simulate_cuda.py::test_cuda_cli_quick_run"]
+    path, name = deselected[0].split("::")
+    assert f"def {name}(" in (ROOT / path).read_text()
+    # What that test checked, the summary checks on the step's result.
+    assert 'summary["simulate_ok"]' in script and "missing_features" in script
+
+
+def _tree(root: Path) -> set:
+    return {path.relative_to(root).as_posix() for path in root.rglob("*")
+            if ".git" not in path.relative_to(root).parts}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible")
+def test_gpu_check_runs_the_named_interpreter_and_leaves_nothing_behind(tmp_path):
+    """``PYTHON`` names the interpreter every step runs; the run leaves nothing in the
+    checkout and nothing in the temporary directory (its private one is removed on
+    exit), only the output directory it was given."""
+    marker = tmp_path / "ran"
+    wrapper = tmp_path / "python-wrapper"
+    wrapper.write_text(f'#!/bin/sh\necho "$@" >>"{marker}"\nexec "{sys.executable}" "$@"\n')
+    wrapper.chmod(0o755)
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "NUMBA_CACHE_DIR")}
+    env.update(PYTHON=str(wrapper), TMPDIR=str(temp))
+    before = _tree(ROOT)
+    done = subprocess.run(["bash", str(SCRIPT), str(tmp_path / "out")], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert marker.read_text().startswith("-"), "the steps did not run $PYTHON"
+    assert list(temp.iterdir()) == []
+    assert _tree(ROOT) == before
+    assert (tmp_path / "out" / "versions.log").exists()
+    env["PYTHON"] = str(tmp_path / "no-such-python")
+    done = subprocess.run(["bash", str(SCRIPT), str(tmp_path / "out2")], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stdout.strip() == f"gpu_check: interpreter '{env['PYTHON']}' not found " \
+        "(set PYTHON)"
 
 
 def test_gpu_check_steps_end_inside_the_budget_and_report_a_kill(tmp_path):

@@ -288,6 +288,13 @@ class DeviceRoute:
                  cu_kv[:1], cu_q[1:count + 1], cu_kv[1:count + 1]],
                 [query_in, kv_in, zero, zero, query_sums, kv_sums])
 
+    def keep_inherited(self, target: ViewTarget, inherited: Optional[Tensor]
+                       ) -> Optional[Tensor]:
+        """A ``write_token_maps`` call's ``inherited`` as its record keeps it for
+        ``check_invariants``: ``TokenScratch.keep`` (no allocation after the first)."""
+        return None if inherited is None else TokenScratch.of(target).keep(
+            inherited, self.buffers.block_table.shape[0])
+
     def write_token_maps(self, target: ViewTarget, rows: Tensor, positions: Tensor,
                          table: Tensor, inherited: Optional[Tensor], padded: int) -> None:
         """Device-op token maps (values unchecked, no sync): 12 device data ops with int64
@@ -308,10 +315,7 @@ class DeviceRoute:
         count = positions.shape[0]
         if count:
             self._in_use(rows, positions, table, inherited)
-            scratch = target.token_scratch
-            if scratch is None:
-                scratch = target.token_scratch = TokenScratch(target.max_tokens,
-                                                              target.device)
+            scratch = TokenScratch.of(target)
             safe, columns, clamped, redirect, condition = scratch.views(count)
             usable = table.shape[0] if inherited is None else min(table.shape[0],
                                                                   inherited.shape[0])
