@@ -146,9 +146,6 @@ def test_device_route_keeps_inherited_blocks_in_fixed_scratch(device_route, rng,
     assert route.keep_inherited(target, None) is None
 
 
-@pytest.mark.xfail(strict=True, reason="the writer records a device inherited_blocks "
-                   "with a clone (MetadataState._record_inherited), not the route's "
-                   "DeviceRoute.keep_inherited")
 @pytest.mark.skipif(os.environ.get("MTPMETA_DEBUG") == "1",
                     reason="MTPMETA_DEBUG=1: the invariant checks issue torch ops")
 def test_device_token_maps_with_inherited_blocks_allocate_nothing_after_the_first_call(

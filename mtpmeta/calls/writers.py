@@ -77,8 +77,9 @@ class ViewWriters:
             inherited_blocks)
         (backend.write_token_maps_device if on_device else backend.write_token_maps)(
             target, rows, positions, table, inherited, padded)
-        state.last_forward = ForwardRecord("tokens", gpu_view, count, padded, 0, 0,
-                                           self._inherited.copy(inherited),
+        kept = (backend.device_route.keep_inherited(target, inherited) if on_device
+                else self._inherited.copy(inherited))  # the device route's: no allocation
+        state.last_forward = ForwardRecord("tokens", gpu_view, count, padded, 0, 0, kept,
                                            table if on_device else None)
 
     def write_mha_metadata(self, gpu_view: Any, query_lengths: Any, kv_lengths: Any,
