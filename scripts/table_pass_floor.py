@@ -7,7 +7,7 @@ Usage: ``python scripts/table_pass_floor.py [steps]`` (default 60; about 1 min).
 The mirror path replays the production trace (``mtpmeta bench --trace``'s, engine
 order, on meta with the C++ meta kernels). A default-route call on a table this wide
 reads its rows once, ``native.draft_state.used_columns`` (the begin's ``[n, W]`` and
-the commit's ``[P, W]`` rows; ``mtpmeta/mirror_counts.py``, "Derived counts"), then
+the commit's ``[P, W]`` rows; ``mtpmeta/mirror/counted.py``, "Derived counts"), then
 writes only the used columns. Each such read is timed next to ``ndarray.max`` over the
 same rows (a plain read: the least a pass that must see every entry costs) and an
 ``np.copyto`` of them into a scratch (the snapshot whole rows cost), in rotating order

@@ -56,11 +56,6 @@ MOVED = re.compile(
 #: file name such as ``dist/mtpmeta-1.0``).
 PACKAGE_PATH = re.compile(r"(?<![\w/.-])mtpmeta((?:[./][A-Za-z_]\w*)+)")
 
-#: Other parts of the tree (the bench, the mirror backend, the scripts, the GPU tests)
-#: are being rewritten beside this test; until they land these checks may fail there.
-PENDING = pytest.mark.xfail(strict=False, reason="files outside the documents still "
-                            "name history or moved modules")
-
 BENCHMARKS_MAX_LINES = 200
 ARCHITECTURE_MAX_LINES = 350
 
@@ -115,7 +110,6 @@ def package_path_exists(dotted: str) -> bool:
     return True
 
 
-@PENDING
 def test_no_tracked_file_names_development_history():
     """No tracker numbers, work rounds, "this revision" or sessions in any tracked file:
     a comment gives the reason in the product's own terms."""
@@ -128,13 +122,11 @@ def test_no_tracked_file_names_a_commit():
     assert not found, "commit hashes named:\n" + "\n".join(found)
 
 
-@PENDING
 def test_no_tracked_file_names_a_moved_module():
     found = hits(MOVED, tracked_text_files())
     assert not found, "modules named by a path that no longer exists:\n" + "\n".join(found)
 
 
-@PENDING
 def test_every_package_path_a_file_names_exists():
     missing = []
     for name, text in tracked_text_files():

@@ -1,6 +1,6 @@
 """Draft-loop and commit-pass hygiene on the mirror path (CPU-forced, always run).
 
-A ``TorchDispatchMode`` (``mtpmeta.bench.opcount.OpCounter``) watches every aten op. The
+A ``TorchDispatchMode`` (``mtpmeta.bench.counters.OpCounter``) watches every aten op. The
 failure stories: a ``.item()`` in the draft loop stalls the GPU pipeline every depth; a
 new tensor inside the loop breaks CUDA-graph replay (the graph reads a stale address);
 a moved buffer makes a captured graph write freed memory.

@@ -424,7 +424,7 @@ def device_input_steps(sim: CudaSim, seed: int = 0):
 
 
 def test_device_inputs_take_the_device_route_and_match_the_reference(make_sim):
-    """Simulated device inputs reach ``mirror_device.DeviceRoute`` (routed by the
+    """Simulated device inputs reach ``device_route.DeviceRoute`` (routed by the
     runtime, not ``tensor.is_cpu``), run with no sync, no hidden copy and no scan that
     allocates on CUDA, and every forward equals the reference's."""
     sim = make_sim(4)

@@ -13,7 +13,7 @@ allocates nothing: it writes through fixed views of the persistent buffers and o
 destination view; the writers stage through the view's own scratch (made at its
 first device-route write: ``ViewTarget.writer_scratch``,
 ``token_scratch.TokenScratch``). With ``padded`` (the default route) ``begin_decode``
-plans the loop's first ``PLANNED_DEPTHS`` depths (``device_loop.DraftPlan``) and each
+plans the loop's first ``PLANNED_DEPTHS`` depths (``device_draft_plan.DraftPlan``) and each
 of them is one ``_foreach_copy_``; a later depth takes the per-depth ops of
 ``decode_step``.
 
@@ -156,7 +156,7 @@ class DeviceRoute:
         # [R, 1] gathered blocks.
         self._columns, self._outside, self._gathered = draft_scratch(buffers, 2)
         self._scan = scan_scratch(buffers)  # the lengths' row scan (write_lengths_and_table)
-        # The loop's depths planned at begin_decode (device_loop.py).
+        # The loop's depths planned at begin_decode (device_draft_plan.py).
         self.plan = DraftPlan(buffers, block_size=block_size, dummy=dummy,
                               minus_one=minus_one)
 

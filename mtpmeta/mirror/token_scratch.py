@@ -1,4 +1,4 @@
-"""Device scratch of the device-route ``write_token_maps`` (``mirror_device.DeviceRoute``).
+"""Device scratch of the device-route ``write_token_maps`` (``device_route.DeviceRoute``).
 
 One ``TokenScratch`` per destination view (``ViewTarget.token_scratch``, made at the
 view's first device-route token write): view writers are not stream-ordered, so two

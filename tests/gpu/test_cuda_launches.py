@@ -25,7 +25,7 @@ from mtpmeta.bench.workload import StepConfig, make_steps, run_step  # noqa: E40
 from tests.upstream_view import UpstreamLayoutView  # noqa: E402
 
 CONFIG = StepConfig()
-# begin_decode: 2 H2D copies and the table's device-to-device copy (issue 23, F4).
+# begin_decode: 2 H2D copies and the table's device-to-device copy.
 BUDGET = {"depth": 3, "commit": 4, "begin_decode": 3}
 
 

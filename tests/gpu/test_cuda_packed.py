@@ -1,4 +1,4 @@
-"""The default route on wide tables on CUDA (``mtpmeta/mirror_counts.py``, "Derived
+"""The default route on wide tables on CUDA (``mtpmeta/mirror/counted.py``, "Derived
 counts"): production-geometry tables (R 1024, W 2048, and W 512 where the rows use
 most of the width) are read once and written by their used columns; a commit pass ships
 packed rows and the device rows get -1 past them. Skipped without CUDA.
