@@ -179,17 +179,20 @@ def test_gpu_tests_collect_without_hypothesis():
     assert files == {f"tests/gpu/{path.name}" for path in gpu_files}
 
 
-_MODULE_LINES = 500
+_MODULE_LINES = 400
+# Kernels that call each other stay in one file: numba's on-disk cache does not notice
+# changes in another file (the module's docstring says so).
+_ONE_FILE_KERNELS = {"native/staging.py": 500}
 
 
 def test_no_module_grows_past_the_house_size():
     """Every module of the library (``mtpmeta/``, tool packages included, and
-    ``native/``) stays within 500 lines, so a reader can hold one; there are no
-    exceptions. Failure story: a module keeps growing until it holds two jobs and no one
-    can tell either from its name."""
+    ``native/``) stays within 400 lines, so a reader can hold one; the one exception is
+    the kernel file whose kernels call each other. Failure story: a module keeps growing
+    until it holds two jobs and no one can tell either from its name."""
     sizes = {path.relative_to(ROOT).as_posix(): len(path.read_text().splitlines())
              for folder in ("mtpmeta", "native") for path in (ROOT / folder).rglob("*.py")}
     assert "mtpmeta/validation/checks.py" in sizes and "native/rows.py" in sizes
     too_long = {name: lines for name, lines in sizes.items()
-                if lines > _MODULE_LINES}
+                if lines > _ONE_FILE_KERNELS.get(name, _MODULE_LINES)}
     assert not too_long, f"split these modules along their jobs: {too_long}"
