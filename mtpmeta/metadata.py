@@ -1,7 +1,6 @@
 """``MTPMetadata``: the public class. It validates every input at the boundary, then
-routes the work to the direct backend (numba kernels writing CPU buffers in place) or
-the mirror backend (numba staging into pinned host memory, async copies, and a few
-CUDA-graph-safe torch ops on the device).
+routes the work to the direct backend (numba kernels writing CPU buffers in place) or the
+mirror backend (numba staging in pinned memory, async copies, a few graph-safe torch ops).
 
 Its calls are carried out by objects it holds, one group of calls each (``mtpmeta.calls``):
 ``_rows`` (``RowLifecycle``), ``_carry`` (``ChunkCarry``), ``_draft`` (``DraftLoop``, with
@@ -20,7 +19,8 @@ from torch import Tensor
 
 from mtpmeta.buffers.persistent import PersistentBuffers
 from mtpmeta.calls.allocation import Allocation
-from mtpmeta.calls.attributes import buffer_property, carry_key, field_property, public_doc
+from mtpmeta.calls.attributes import (annotation_offset_property, buffer_property,
+                                      carry_key, field_property, public_doc)
 from mtpmeta.calls.backend import Backend
 from mtpmeta.calls.carry import ChunkCarry
 from mtpmeta.calls.commit_pass import CommitPass
@@ -80,13 +80,10 @@ class MTPMetadata:
         active_block_table: ``block_table[:n]``, a view (None before ``begin_decode``).
         last_forward: ``ForwardRecord`` of the last view-writing call, read by
             ``check_invariants`` (None before any).
-        draft_annotation_offset: int, default 0: the paused-row count when paused rows
-            come first, so that draft row ``i`` belongs to annotation row
-            ``draft_annotation_offset + i`` (read by ``check_invariants``). Set it before
-            the step's commit pass: while it is non-zero, ``setup_commit_pass`` and
-            ``write_token_maps`` refuse ``inherited_blocks`` that is
-            ``request_matched_prefix_blocks`` from row 0 (the whole buffer, not the
-            active slice), a ``ValueError``.
+        draft_annotation_offset: int in ``[0, R]``, default 0: the paused rows in front
+            (draft row ``i`` is annotation row ``offset + i``; ``set_request_rows`` sets
+            it); while non-zero with no split declared, the whole annotation buffer as
+            ``inherited_blocks`` is refused.
         request_matched_prefix_blocks, offsets, block_table, query_lengths,
             kv_lengths, row_ids, chunk_boundary_hidden: the persistent buffers
             (read-only properties, None before ``allocate``).
@@ -136,8 +133,7 @@ class MTPMetadata:
         "_state", "last_forward",
         "``ForwardRecord`` of the last view-writing call, read by ``check_invariants`` "
         "(None before any).")
-    draft_annotation_offset = field_property(
-        "_state", "annotation_offset",
+    draft_annotation_offset = annotation_offset_property(
         "int, default 0: draft row ``i`` belongs to annotation row "
         "``draft_annotation_offset + i`` (the paused-row count when paused rows come "
         "first).")
@@ -302,6 +298,10 @@ class MTPMetadata:
     @public_doc(RowLifecycle.move)
     def move_request_rows(self, src_idxs: Indices, dst_idxs: Indices) -> None:
         self._rows.move(src_idxs, dst_idxs)
+
+    @public_doc(RowLifecycle.declare_split)
+    def set_request_rows(self, paused_count: int, total_count: int) -> None:
+        self._rows.declare_split(self.max_requests, paused_count, total_count)
 
     @public_doc(RowLifecycle.swap)
     def swap_request_rows(self, src_idxs: Indices, dst_idxs: Indices) -> None:

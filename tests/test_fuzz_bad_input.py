@@ -34,6 +34,7 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 from mtpmeta import VIEW_FIELDS, ChunkCarryError, MTPMetadata
+from mtpmeta.validation.inputs import as_row_indices
 from tests import _fuzz_values as fv
 from tests._fuzz_values import BS, H, INT32_MAX, INT64_MAX, LIMIT, TOKENS, R, W
 from tests.helpers import BUFFER_NAMES, assert_same_state, buffer_state, config, make_view
@@ -151,6 +152,16 @@ def _bad_reset(draw, args, facts):
 def _valid_pair(draw, strided):
     src = draw(fv.index(strided=strided))
     return {"src": src, "dst": draw(fv.index(fv.index_length(src), strided))}, {}
+
+
+def _valid_swap(draw, strided):
+    """A valid pair whose sides each name a row at most once (a swap refuses repeats)."""
+    args, facts = _valid_pair(draw, strided)
+    for side in ("src", "dst"):
+        rows = as_row_indices(args[side], R, side)
+        if type(rows) is not slice:
+            assume(np.unique(np.asarray(rows) % R).size == len(rows))
+    return args, facts
 
 
 def _bad_pair(draw, args, facts):
@@ -530,7 +541,7 @@ SPECS: Dict[str, Spec] = {
         lambda m, v, a: m.move_request_rows(a["src"], a["dst"]), _valid_pair, _bad_pair,
         ["src", "dst", "length"]),
     "swap_request_rows": _spec(
-        lambda m, v, a: m.swap_request_rows(a["src"], a["dst"]), _valid_pair, _bad_pair,
+        lambda m, v, a: m.swap_request_rows(a["src"], a["dst"]), _valid_swap, _bad_pair,
         ["src", "dst", "length"]),
     "carry_chunk_boundary": _spec(
         lambda m, v, a: m.carry_chunk_boundary(a["hidden"], a["req_id"], a["position"]),

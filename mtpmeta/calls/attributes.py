@@ -11,6 +11,8 @@ from typing import Any, Callable, Optional
 
 from torch import Tensor
 
+from mtpmeta.validation.request_rows import check_annotation_offset
+
 __all__ = ["field_property", "buffer_property", "carry_key", "public_doc"]
 
 
@@ -21,6 +23,16 @@ def field_property(holder: str, name: str, doc: str) -> property:
     def set(self: Any, value: Any) -> None:
         setattr(getattr(self, holder), name, value)
     return property(attrgetter(f"{holder}.{name}"), set, doc=doc)
+
+
+def annotation_offset_property(doc: str) -> property:
+    """``draft_annotation_offset``: an int in ``[0, max_requests]`` (anything else is
+    refused, naming it, and changes nothing); assigning it withdraws a row split
+    ``set_request_rows`` declared."""
+    def set(self: Any, value: Any) -> None:
+        offset = check_annotation_offset(self.max_requests, value)
+        self._state.annotation_offset, self._state.split = offset, None
+    return property(attrgetter("_state.annotation_offset"), set, doc=doc)
 
 
 def buffer_property(name: str, doc: str) -> property:

@@ -16,6 +16,7 @@ from torch import Tensor
 from mtpmeta.calls.allocation import Allocation
 from mtpmeta.calls.state import CallState, raise_unavailable
 from mtpmeta.types import ForwardRecord, ForwardShape, MTPForwardMode
+from mtpmeta.validation.request_rows import leading_length
 from mtpmeta.validation.bounds import refuse_whole_annotations
 from mtpmeta.validation.checks import (check_commit_inputs, check_prefill_lengths,
                                        raise_commit_block)
@@ -118,6 +119,11 @@ class CommitPass:
         if backend is None:
             raise_unavailable(self._state, "setup_commit_pass")
         state = self._state
+        if state.split is not None:  # whole context arrays give their active rows
+            block_table, start_positions, inherited_blocks, block_counts = \
+                state.split.active(leading_length(append_counts), "append_counts",
+                                   block_table, start_positions, inherited_blocks,
+                                   block_counts)
         if state.annotation_offset and inherited_blocks is not None:
             refuse_whole_annotations("setup_commit_pass", inherited_blocks,
                                      self._annotations, state.annotation_offset)

@@ -124,6 +124,11 @@ class DraftLoop:
         backend = self._backend
         if backend is None:
             raise_unavailable(self._state, "begin_decode")
+        split = self._state.split
+        if split is not None:  # whole context arrays give their active rows
+            start_positions, block_table_src, block_counts = split.active(
+                active_request_count, "active_request_count", start_positions,
+                block_table_src, block_counts)
         if type(graphed) is not bool:
             graphed = check_flag(graphed, "graphed")
         geometry = self._geometry

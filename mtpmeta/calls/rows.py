@@ -16,6 +16,7 @@ import numpy as np
 from mtpmeta.calls.allocation import Allocation
 from mtpmeta.calls.state import CallState, raise_unavailable
 from mtpmeta.kernels import native
+from mtpmeta.validation.request_rows import RequestRows, refuse_repeated_rows
 from mtpmeta.validation.geometry import Geometry
 from mtpmeta.validation.inputs import as_row_indices, raise_row_out_of_range
 from mtpmeta.validation.rows import check_row_pair, raise_refused_row_pair
@@ -87,6 +88,22 @@ class RowLifecycle:
         if bad >= 0:  # refused before any write
             raise_refused_row_pair(self._geometry, src, dst, bad)
 
+    def declare_split(self, max_requests: int, paused_count: Any, total_count: Any) -> None:
+        """Declare the scheduler's row split for the calls that follow: rows ``[0,
+        paused_count)`` paused, ``[paused_count, total_count)`` active (``0 <= paused <=
+        total <= R``, ints), and set ``draft_annotation_offset`` to ``paused_count``.
+        Then a per-request array of exactly ``R`` rows passed to ``begin_decode`` or
+        ``setup_commit_pass`` (``start_positions``, ``block_table_src``,
+        ``block_table``, ``inherited_blocks``, ``block_counts``) is the context's whole
+        array and gives its rows ``[paused, paused + P)`` (``P``: ``n``, or
+        ``len(append_counts)``), which must fit the active rows; any other length is the
+        active slice. A caller that builds its own ``R``-row array for its ``P``
+        requests must not declare a split. Assigning ``draft_annotation_offset``
+        withdraws it. Bad counts raise before anything changes."""
+        split = RequestRows(max_requests, paused_count, total_count)
+        self._state.split = split
+        self._state.annotation_offset = split.paused
+
     def swap(self, src_idxs: Any, dst_idxs: Any) -> None:
         """Swap annotations: both sides read first, then ``x[dst] = old[src]``, then
         ``x[src] = old[dst]`` (an index on both sides keeps the second assignment).
@@ -97,6 +114,9 @@ class RowLifecycle:
         if annotations is None:
             raise_unavailable(self._state, "swap_request_rows")
         src, dst = check_row_pair(self._geometry, "swap_request_rows", src_idxs, dst_idxs)
+        rows = self._geometry.max_requests  # a row twice would move one annotation twice
+        refuse_repeated_rows("swap_request_rows", src, rows, "src_idxs")
+        refuse_repeated_rows("swap_request_rows", dst, rows, "dst_idxs")
         scratch = self._scratch
         if 2 * len(src) > len(scratch):
             scratch = np.empty(2 * len(src), dtype=np.int32)

@@ -14,6 +14,7 @@ from typing import Any, NoReturn, Optional
 
 from mtpmeta.errors import MTPDisabledError, NotAllocatedError
 from mtpmeta.types import ForwardRecord, MTPForwardMode
+from mtpmeta.validation.request_rows import RequestRows
 
 __all__ = ["CallState", "raise_unavailable"]
 
@@ -36,13 +37,15 @@ class CallState:
             ``inherited_blocks``.
     """
 
-    __slots__ = ("enabled", "mode", "last_forward", "annotation_offset")
+    __slots__ = ("enabled", "mode", "last_forward", "annotation_offset", "split")
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self.mode: MTPForwardMode = MTPForwardMode.NONE
         self.last_forward: Optional[ForwardRecord] = None
         self.annotation_offset: Any = 0
+        # The row split set_request_rows declared (validation.request_rows), or None.
+        self.split: Optional[RequestRows] = None
 
 
 def raise_unavailable(state: CallState, method: str) -> NoReturn:

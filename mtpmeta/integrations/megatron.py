@@ -68,13 +68,14 @@ def _active_rows(context: Any) -> slice:
 
     The context's per-request arrays (``request_to_kv_block_ids`` [R, W],
     ``request_matched_prefix_blocks`` [R]) hold paused rows first, so active request
-    ``i`` is row ``paused + i``. The metadata learns where they start too
-    (``draft_annotation_offset``, read by ``check_invariants``, contract §10-§11).
+    ``i`` is row ``paused + i``. The metadata is told the split too
+    (``set_request_rows``: its ``draft_annotation_offset``, read by ``check_invariants``,
+    and the rule that a whole ``R``-row array gives its active rows, contract §3).
     Example: paused 1, total 3 -> rows ``slice(1, 3)``, offset 1.
     """
-    paused = int(context.paused_request_count)
-    context.mtp_metadata.draft_annotation_offset = paused
-    return slice(paused, int(context.total_request_count))
+    paused, total = int(context.paused_request_count), int(context.total_request_count)
+    context.mtp_metadata.set_request_rows(paused, total)
+    return slice(paused, total)
 
 
 def _library_metadata(context: Any, helper: str, *, enabled: bool = False) -> MTPMetadata:
