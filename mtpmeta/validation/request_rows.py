@@ -53,7 +53,7 @@ def refuse_repeated_rows(method: str, rows: np.ndarray, num_rows: int, name: str
         return
     values = rows.tolist()
     if len(set(values)) == len(values) and min(values) >= 0:
-        return  # the usual case, about 1 µs for a few rows: distinct, none negative
+        return  # the usual case (under 1 µs for a few rows): distinct, none negative
     normal = np.where(rows < 0, rows + num_rows, rows)
     if ((normal < 0) | (normal >= num_rows)).any():
         return
