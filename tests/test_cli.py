@@ -106,12 +106,16 @@ def test_instructions_checks_its_tools_first_with_fitting_advice(no_work, capsys
 def test_install_hint_fits_a_checkout_or_an_installed_package(monkeypatch, tmp_path):
     """From this checkout the advice is an editable install of it; from a wheel (no
     pyproject.toml beside the package) it is the published package's extra."""
-    assert bench_cli.install_hint("bench") == \
-        f"pip install -e '{bench_cli.Path(mtpmeta.__file__).resolve().parents[1]}[bench]'"
+    from pathlib import Path
+
+    import mtpmeta.bench.report as bench_report
+
+    assert bench_report.install_hint("bench") == \
+        f"pip install -e '{Path(mtpmeta.__file__).resolve().parents[1]}[bench]'"
     installed = tmp_path / "site-packages" / "mtpmeta" / "bench"
     installed.mkdir(parents=True)
-    monkeypatch.setattr(bench_cli, "__file__", str(installed / "cli.py"))
-    assert bench_cli.install_hint("bench") == "pip install 'mtpmeta[bench]'"
+    monkeypatch.setattr(bench_report, "__file__", str(installed / "report.py"))
+    assert bench_report.install_hint("bench") == "pip install 'mtpmeta[bench]'"
 
 
 @pytest.mark.parametrize("flags, says", [

@@ -24,22 +24,20 @@ import json
 import os
 import sys
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from mtpmeta.bench.measure import cold_start, load_now, machine_load, measure, \
     measure_captured
-from mtpmeta.bench.report import LEGEND, TARGETS_NOTE, format_captured, load_lines, \
-    spread_line, table, target_lines, target_summary, verdict_line
+from mtpmeta.bench.report import LEGEND, PROG, TARGETS_NOTE, format_captured, install_hint, \
+    load_lines, note, spread_line, table, target_lines, target_summary, verdict_line
 from mtpmeta.bench.variants import check_identical, floor_matches, implementations
 from mtpmeta.bench.workload import StepConfig, make_steps
 
 __all__ = ["main", "note", "HelpFormatter", "ToolParser", "parse", "usage_error",
            "positive_int", "device_problem", "output_problem", "install_hint"]
 
-PROG = "mtpmeta bench"
 DESCRIPTION = """\
 Per-step host cost of mtpmeta against its pure-torch reference, on the standard step
 (mtpmeta/bench/workload.py). It first checks that every path leaves the reference's
@@ -228,11 +226,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     return 0
 
 
-def note(text: str) -> None:
-    """Progress on stderr: the section about to run (stdout keeps the results)."""
-    print(f"{PROG}: {text} ...", file=sys.stderr, flush=True)
-
-
 def _progress(total: int):
     try:
         from tqdm import tqdm
@@ -326,13 +319,3 @@ def output_problem(flag: str, path: str) -> Optional[str]:
     if not os.access(folder, os.W_OK):
         return f"{flag} {path}: the directory {folder} is not writable"
     return None
-
-
-def install_hint(extra: str) -> str:
-    """The pip command that adds the optional dependencies ``extra``: an editable
-    install of the source checkout this package runs from, else the published
-    package's extra."""
-    root = Path(__file__).resolve().parents[2]
-    if (root / "pyproject.toml").is_file() and (root / "mtpmeta" / "__init__.py").is_file():
-        return f"pip install -e '{root}[{extra}]'"
-    return f"pip install 'mtpmeta[{extra}]'"

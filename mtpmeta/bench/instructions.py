@@ -29,7 +29,7 @@ import tempfile
 from dataclasses import asdict
 from typing import Any, Callable, Dict, List, Optional
 
-from mtpmeta.bench.cli import install_hint
+from mtpmeta.bench.report import install_hint
 
 __all__ = ["unavailable", "callgrind_regions", "count_step_instructions",
            "format_instructions"]

@@ -8,11 +8,15 @@ draft mode, measured in the same run.
 
 from __future__ import annotations
 
+import sys
 import textwrap
+from pathlib import Path
 from typing import Any, Dict, List, Sequence
 
 from mtpmeta.bench.variants import DRAFT_MODES, Variant
 from mtpmeta.bench.workload import StepConfig
+
+PROG = "mtpmeta bench"
 
 __all__ = ["TARGETS", "LEGEND", "TARGETS_NOTE", "table", "format_captured", "target_lines",
            "spread_line", "load_lines", "target_summary", "verdict_line"]
@@ -197,3 +201,18 @@ def verdict_line(results: Dict[str, Dict[str, Any]], names: Sequence[str],
     return (f"verdict: {' and '.join(paths)} wrote the reference's views and buffers on "
             f"all {steps} checked steps (torch and numpy inputs, eager and graphed); "
             f"host time per step, torch inputs, eager: {', '.join(ratios)}")
+
+
+def note(text: str) -> None:
+    """Progress on stderr: the section about to run (stdout keeps the results)."""
+    print(f"{PROG}: {text} ...", file=sys.stderr, flush=True)
+
+
+def install_hint(extra: str) -> str:
+    """The pip command that adds the optional dependencies ``extra``: an editable
+    install of the source checkout this package runs from, else the published
+    package's extra."""
+    root = Path(__file__).resolve().parents[2]
+    if (root / "pyproject.toml").is_file() and (root / "mtpmeta" / "__init__.py").is_file():
+        return f"pip install -e '{root}[{extra}]'"
+    return f"pip install 'mtpmeta[{extra}]'"

@@ -269,7 +269,7 @@ def run_trace(args: Any) -> int:
     import json
 
     from mtpmeta.bench import trace_replay
-    from mtpmeta.bench.cli import note
+    from mtpmeta.bench.report import note
 
     geometries = trace_geometries(args.quick)
     repeats = args.repeats or (2 if args.quick else 5)
