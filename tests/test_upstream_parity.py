@@ -121,13 +121,15 @@ def test_inherited_blocks_take_the_active_slice_with_paused_rows(path):
         assert_views_equal(view, ref_view)
 
 
-def test_readme_example_passes_the_active_slice():
-    """The README's commit-pass example is what engine authors copy; with the whole
-    array it redirects the wrong rows as soon as a request is paused."""
+def test_readme_example_declares_the_split_before_passing_whole_arrays():
+    """The README's commit-pass example is what engine authors copy; a whole array
+    without a declared split redirects the wrong rows as soon as a request is paused."""
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     example = readme.split("## One speculative step", 1)[1].split("\n## ", 1)[0]
-    assert "inherited_blocks=mtp.request_matched_prefix_blocks[paused:total]" in example
-    assert "inherited_blocks=mtp.request_matched_prefix_blocks," not in example
+    declared = example.index("mtp.set_request_rows(paused, total)")
+    assert declared < example.index("inherited_blocks=mtp.request_matched_prefix_blocks,")
+    assert declared < example.index("mtp.setup_commit_pass(")
+    assert "draft_annotation_offset = " not in example
 
 
 # ------------------------------------------------------- in-place edits of the views

@@ -531,8 +531,8 @@ def test_advance_may_step_past_the_table_at_the_end_of_a_loop(path):
 
 # ---------------------------------------------- 1.8 inherited counts of the call
 def test_check_uses_the_inherited_counts_of_the_call_not_the_current_annotations(path):
-    """The README's recipe passes ``request_matched_prefix_blocks[paused:total]``, a
-    view of the annotations. A scheduler that updates the annotations before checking
+    """An active slice ``request_matched_prefix_blocks[paused:total]`` is a view of the
+    annotations. A scheduler that updates the annotations before checking
     (a new prefix hit for row 2) must not get a false alarm ("token 6 ... points at block
     20, expected dummy_block_idx")."""
     meta = make_metadata(path)
