@@ -121,7 +121,7 @@ def _mtp_setup_decode_step(self: Any) -> None:
         n = shape.request_count
         max_seqlen_k = int(self.gpu_view.mha_kv_seq_lengths[:n].max().item()) if n else 1
     else:
-        max_seqlen_k = shape.max_seqlen_k
+        max_seqlen_k = int(shape.max_seqlen_k)  # a plain int whatever the kernels return
     self._mtp_activate_attn_metadata(
         graphed=meta.graphed,
         padded_request_count=shape.padded_request_count,
@@ -154,7 +154,7 @@ def _mtp_setup_prefill_step(self: Any, append_counts: Any, block_table_prefill: 
         inherited_blocks=self.request_matched_prefix_blocks[rows],
         padded_token_count=padded_token_count,
         padded_request_count=padded_request_count)
-    max_seqlen = shape.max_seqlen_q
+    max_seqlen = int(shape.max_seqlen_q)
     if shape.request_count and not shape.padded_token_count:
         max_seqlen = 0  # upstream's read-back of all-zero lengths (ForwardShape floors at 1)
     self._mtp_activate_attn_metadata(
