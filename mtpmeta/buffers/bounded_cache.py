@@ -32,6 +32,16 @@ class BoundedCache(dict):
             del self[next(iter(self))]
         self[key] = value
 
+    def prefix(self, name: Hashable, tensor: Any, stop: int) -> Any:
+        """``tensor[:stop]``, built once per ``(name, stop)`` (``get_or_build`` without
+        the closure: the mirror path takes several prefixes per step)."""
+        key = (name, stop)
+        value = self.get(key)
+        if value is None:
+            value = tensor[0:stop]
+            self.put(key, value)
+        return value
+
     def get_or_build(self, key: Hashable, build: Callable[[], Any]) -> Any:
         value = self.get(key)
         if value is None:

@@ -136,7 +136,7 @@ class MirrorBackend:
         # evicted. Every n's offsets prefix is built here: a draft loop builds none.
         self._slices = BoundedCache(64 * (max_requests + 2))
         for count in range(max_requests + 1):
-            self._prefix("offsets", buffers.offsets, count)
+            self._slices.prefix("offsets", buffers.offsets, count)
         self._order = StreamOrder(self.device, runtime)  # of the persistent buffers
 
     @property
@@ -171,15 +171,6 @@ class MirrorBackend:
                 "inside the capture; capture only the forward that reads the view")
         if shared:
             self._order.enter()
-
-    def _prefix(self, name: str, tensor: Tensor, stop: int) -> Tensor:
-        """``tensor[:stop]``, built once per ``(name, stop)``."""
-        key = (name, stop)
-        value = self._slices.get(key)  # get_or_build, inlined: several calls per step
-        if value is None:
-            value = tensor[0:stop]
-            self._slices.put(key, value)
-        return value
 
     # ---------------------------------------------------------------- draft loop
     def begin_decode(self, count: int, start_positions: np.ndarray,
@@ -233,23 +224,23 @@ class MirrorBackend:
         self.host_offsets_known = True
         self.begin_derived = False
         buffers = self.buffers
-        self._prefix("offsets", buffers.offsets, count).zero_()
-        self._prefix("block_table", buffers.block_table, count).fill_(self.dummy)
+        self._slices.prefix("offsets", buffers.offsets, count).zero_()
+        self._slices.prefix("block_table", buffers.block_table, count).fill_(self.dummy)
         buffers.draft_count.fill_(count)  # every row real for the device too
         self.begin.hold_dummy_rows(count)  # rows of D on both sides
 
     def advance_decode_step(self, count: int) -> None:
         self.refuse_capture("advance_decode_step")
-        self._prefix("offsets", self.buffers.offsets, count).add_(1)
+        self._slices.prefix("offsets", self.buffers.offsets, count).add_(1)
         native.draft_state.advance_offsets(self.host_offsets, count)
         self.device_route.advance_decode_step()
 
     def stage_decode_lengths(self, count: int) -> None:
         self.refuse_capture("stage_decode_lengths")
         buffers = self.buffers
-        self._prefix("query_lengths", buffers.query_lengths, count).fill_(1)
-        torch.add(self._prefix("offsets", buffers.offsets, count), 1,
-                  out=self._prefix("kv_lengths", buffers.kv_lengths, count))
+        self._slices.prefix("query_lengths", buffers.query_lengths, count).fill_(1)
+        torch.add(self._slices.prefix("offsets", buffers.offsets, count), 1,
+                  out=self._slices.prefix("kv_lengths", buffers.kv_lengths, count))
 
     def decode_step(self, target: ViewTarget, count: int, padded: int,
                     graphed: bool) -> int:

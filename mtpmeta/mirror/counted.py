@@ -178,8 +178,8 @@ class CountedRoute:
         ``block_table[:n, :C]`` (through the landing when ``C < W``, ``fill`` over
         ``[:n, C:]``); releases the slot. The landing then holds no reusable rows."""
         begin = self._begin
-        self._prefix("draft_head", self.buffers.draft_head, count + 1).copy_(
-            self._prefix(("begin_head", slot), begin.tensors[slot].head, count + 1),
+        self._views.prefix("draft_head", self.buffers.draft_head, count + 1).copy_(
+            self._views.prefix(("begin_head", slot), begin.tensors[slot].head, count + 1),
             non_blocking=True)
         if count:
             staged, landing, first_columns, past_columns = self._packed_views(slot, columns)
@@ -192,14 +192,6 @@ class CountedRoute:
                 past_columns[:count].fill_(fill)
         begin.ring.release(slot)
         begin.drop_rows()  # reuse_table holds packed rows, not [R, W] ones
-
-    def _prefix(self, name, tensor: Tensor, stop: int) -> Tensor:
-        key = (name, stop)
-        value = self._views.get(key)
-        if value is None:
-            value = tensor[0:stop]
-            self._views.put(key, value)
-        return value
 
     def _packed_views(self, slot: int, columns: int) -> tuple:
         """``[R, C]`` views of a counted begin at ``C = columns``: begin ``slot``'s

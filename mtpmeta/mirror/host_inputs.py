@@ -43,18 +43,10 @@ class PrefillLengthsStaging:
         staged = native.staging.stage_prefill_lengths(
             counts, pad_tokens, self.max_requests, ring.host_np[slot].view(np.int32))
         if staged:
-            self._prefix("query_lengths", self.buffers.query_lengths, staged).copy_(
-                self._prefix(slot, self._words[slot], staged), non_blocking=True)
+            self._views.prefix("query_lengths", self.buffers.query_lengths, staged).copy_(
+                self._views.prefix(slot, self._words[slot], staged), non_blocking=True)
         ring.release(slot)
         return staged
-
-    def _prefix(self, name, tensor: Tensor, stop: int) -> Tensor:
-        key = (name, stop)
-        value = self._views.get(key)
-        if value is None:
-            value = tensor[0:stop]
-            self._views.put(key, value)
-        return value
 
 
 class CarryStaging:
