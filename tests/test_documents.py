@@ -111,8 +111,8 @@ def package_path_exists(dotted: str) -> bool:
 
 
 def test_no_tracked_file_names_development_history():
-    """No tracker numbers, work rounds, "this revision" or sessions in any tracked file:
-    a comment gives the reason in the product's own terms."""
+    """No tracker numbers, work rounds or other words of the development history in any
+    tracked file (``HISTORY``): a comment gives the reason in the product's own terms."""
     found = hits(HISTORY, tracked_text_files())
     assert not found, "development history named:\n" + "\n".join(found)
 
