@@ -4,6 +4,7 @@ meta-device setup and the command line. Counts and bytes only, never times."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -148,6 +149,27 @@ def test_agreement_check_catches_a_path_given_another_table(standard, monkeypatc
     assert message is not None and "mirror" in message and "step 5" in message
 
 
+def test_agreement_check_catches_the_engine_path_given_another_table(standard,
+                                                                     monkeypatch):
+    """Negative control for the ``megatron`` row: at step 2 the engine context's
+    ``request_to_kv_block_ids`` row 0 holds its blocks in reverse order (still valid
+    ids), so the view the patched helpers write must differ from the reference's."""
+    prepare = Replay.prepare
+
+    def planting(self, index, step):
+        prepare(self, index, step)
+        if self.engine is not None and index == 2:
+            table = self.engine.request_to_kv_block_ids
+            valid = int((table[0] >= 0).sum())
+            assert valid >= 2
+            table[0, :valid] = table[0, :valid].flip(0).clone()
+
+    assert check_trace(STANDARD_TRACE, standard[:4], paths=("megatron",)) is None
+    monkeypatch.setattr(Replay, "prepare", planting)
+    message = check_trace(STANDARD_TRACE, standard[:4], paths=("megatron",))
+    assert message is not None and "megatron" in message and "step 2" in message
+
+
 def _stock_meta(call):
     out = call()
     return tuple(out.shape), out.dtype
@@ -236,7 +258,7 @@ def test_cli_trace_prints_every_geometry_and_json(monkeypatch, capsys, tmp_path)
     for name in TINY_GEOMETRIES:
         assert f"trace, {name} geometry" in out
     for row in ("reference", "direct", "mirror", "captured", "mirror, device inputs",
-                "drop-in, device inputs", "mirror, 2 threads"):
+                "drop-in, device inputs", "mirror, 2 threads", "megatron, patched helpers"):
         assert f"  {row} " in out
     result = json.loads(path.read_text())["trace"]
     assert set(result) == set(TINY_GEOMETRIES)
@@ -247,6 +269,9 @@ def test_cli_trace_prints_every_geometry_and_json(monkeypatch, capsys, tmp_path)
         assert {"median_us", "p90_us", "speedup_vs_reference", "device_data_ops",
                 "syncs"} <= set(row)
     assert rows["reference @meta"]["syncs"] >= 2 and rows["mirror @meta"]["syncs"] == 0
+    engine = rows[trace_bench.MEGATRON_KEY]  # the patched helpers read nothing back
+    assert engine["syncs"] == 0
+    assert engine["device_data_ops"] == rows["mirror @meta"]["device_data_ops"]
     assert rows["mirror @meta"]["runtime_calls"]["total"] > 0
     assert set(result["production W 8192"]["rows"]) == {
         row.key for row in trace_bench.rows_for("production W 8192")}
@@ -274,11 +299,13 @@ def test_cli_trace_reports_progress_first_and_each_section_as_it_goes(monkeypatc
     assert first_out == ""
     assert first_err.splitlines()[0].startswith("mtpmeta bench: trace: 3 geometries")
     assert first_err.splitlines()[-1] == ("mtpmeta bench: standard trace: checking "
-                                          "mirror, captured, drop-in, direct against the "
+                                          "mirror, captured, megatron, drop-in, direct "
+                                          "against the "
                                           "reference on 6 steps ...")
     # Before the production check: the standard geometry's results are already out.
     out_before_production = seen_before_work[1][0]
-    assert "standard trace: mirror, captured, drop-in, direct" in out_before_production
+    assert ("standard trace: mirror, captured, megatron, drop-in, direct"
+            in out_before_production)
     assert "trace, standard geometry" in out_before_production
     err = "".join(e for _, e in seen_before_work) + rest.err
     for name in TINY_GEOMETRIES:
@@ -295,6 +322,9 @@ def test_cli_trace_reports_progress_first_and_each_section_as_it_goes(monkeypatc
                                 "production 3, production W 8192 3; CPU)"), lines[-1]
     for name in TINY_GEOMETRIES:
         assert f"{name} mirror " in lines[-1]
+    for name in ("standard", "production"):  # the geometries the engine row is timed on
+        assert re.search(f"{name} [^;]*megatron, patched helpers [0-9.]+x \\([0-9.]+x "
+                         "the mirror path's µs\\)", lines[-1]), lines[-1]
     assert "; µs per step at W 32 over W 8 on the same traffic: mirror " in lines[-1]
 
 
@@ -342,8 +372,9 @@ def test_asv_discovers_the_trace_trackers():
                            capture_output=True, text=True, check=True).stdout.split()
     assert {"trace.TrackTraceHostShare.track_mirror_over_reference_meta",
             "trace.TrackTraceHostShare.track_captured_over_reference_meta",
-            "trace.TrackTraceHostShare.track_mirror_over_reference_launch_estimate"
-            } <= set(found)
+            "trace.TrackTraceHostShare.track_mirror_over_reference_launch_estimate",
+            "trace.TrackTraceHostShare.track_megatron_over_reference_meta",
+            "trace.TrackTraceHostShare.track_megatron_over_mirror_meta"} <= set(found)
 
 
 def test_agreement_check_covers_the_block_count_rows(standard, monkeypatch):

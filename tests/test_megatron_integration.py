@@ -107,8 +107,19 @@ def record(context: Any, what: str) -> Dict[str, Any]:
                 is context.graph_attn_metadata)
 
 
-def run(context: Any, steps: List[Dict], check: bool = False) -> List[Dict[str, Any]]:
-    """Drive ``steps`` through the context's helpers, as the engine calls them."""
+def static_buffers(n: int, active: torch.Tensor, fill: int) -> torch.Tensor:
+    """``active`` ([n] or [n, W], active order) in a static ``R``-row buffer, the rest
+    ``fill``: what a CUDA-graph engine keeps for its largest batch."""
+    buffer = torch.full((R,) + tuple(active.shape[1:]), fill, dtype=active.dtype)
+    buffer[:n] = active
+    return buffer
+
+
+def run(context: Any, steps: List[Dict], check: bool = False,
+        static: bool = False) -> List[Dict[str, Any]]:
+    """Drive ``steps`` through the context's helpers, as the engine calls them;
+    ``static``: the caller's start positions (the commit's and the draft loop's) are
+    ``R``-entry buffers in active order (``static_buffers``)."""
     trace = []
     meta = context.mtp_metadata
     for step in steps:
@@ -117,19 +128,23 @@ def run(context: Any, steps: List[Dict], check: bool = False) -> List[Dict[str, 
         context.request_to_kv_block_ids.copy_(step["table"])
         meta.request_matched_prefix_blocks.copy_(step["hits"])
         rows = slice(step["paused"], step["total"])
-        counts = step["counts"]
+        counts, n = step["counts"], step["total"] - step["paused"]
+        table, starts = context.request_to_kv_block_ids[rows], step["starts"]
+        draft_starts = starts + counts
+        if static:
+            starts, draft_starts = (static_buffers(n, starts, 0),
+                                    static_buffers(n, draft_starts, 0))
         context._mtp_setup_prefill_step(
-            counts, context.request_to_kv_block_ids[rows],
+            counts, table,
             padded_token_count=step["padded_tokens"],
             padded_request_count=step["padded_requests"],
-            request_start_positions=step["starts"],
+            request_start_positions=starts,
             total=int(counts.sum()) if step["explicit_total"] else None)
         trace.append(record(context, "commit"))
         if check:
             meta.check_invariants(context.gpu_view)
         meta.end_forward()
-        n = step["total"] - step["paused"]
-        context._mtp_begin_decode(n, step["padded"], step["starts"] + counts,
+        context._mtp_begin_decode(n, step["padded"], draft_starts,
                                   graphed=step["graphed"])
         trace.append(record(context, "begin"))
         for _ in range(step["depths"]):
@@ -170,6 +185,20 @@ def test_patched_helpers_write_the_views_and_bounds_upstreams_write(upstream, se
     assert_same_trace(expected, actual)
     assert any(s["paused"] for s in steps) and any(s["hits"].any() for s in steps)
     assert {s["graphed"] for s in steps} == {False, True}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_static_caller_buffers_behind_paused_rows_are_read_in_active_order(upstream,
+                                                                          seed):
+    """A caller's ``R``-entry start-position buffers hold the active requests from
+    entry 0, as upstream reads them; the patched helpers declare the split, which
+    would read an ``R``-entry array from row ``paused``: they must not for these."""
+    steps = [s for s in random_steps(20 + seed, count=12) if s["paused"]]
+    assert steps
+    expected = run(make_context(upstream), steps, static=True)
+    megatron.patch()
+    actual = run(make_context(upstream, mirror=True), steps, static=True)
+    assert_same_trace(expected, actual)
 
 
 def test_prefill_step_leaves_upstreams_commit_mode_which_is_the_librarys(upstream):

@@ -2,8 +2,10 @@
 (``mtpmeta.bench.trace``, standard geometry, short): µs per step of the mirror path and
 of the captured draft loop on torch's ``meta`` device with the C++ meta kernels, over
 the reference's (upstream's op sequence) in the same run, and the same with the launch
-estimate (+4 µs per device data op). Ratios, so a busy machine moves them less than
-the times.
+estimate (+4 µs per device data op); and the engine's steps through the helpers
+``mtpmeta.integrations.megatron.patch()`` installs, over the reference and over the
+mirror path's fused calls (what the one-call patch keeps of their gain). Ratios, so a
+busy machine moves them less than the times.
 """
 
 from mtpmeta.bench.trace import STANDARD_TRACE
@@ -28,6 +30,16 @@ class TrackTraceHostShare:
         return (rows["mirror @meta"]["launch_estimate_us"]
                 / rows["reference @meta"]["launch_estimate_us"])
 
+    def track_megatron_over_reference_meta(self, rows):
+        return (rows["megatron, patched helpers @meta"]["median_us"]
+                / rows["reference @meta"]["median_us"])
+
+    def track_megatron_over_mirror_meta(self, rows):
+        return (rows["megatron, patched helpers @meta"]["median_us"]
+                / rows["mirror @meta"]["median_us"])
+
     track_mirror_over_reference_meta.unit = "ratio"
     track_captured_over_reference_meta.unit = "ratio"
     track_mirror_over_reference_launch_estimate.unit = "ratio"
+    track_megatron_over_reference_meta.unit = "ratio"
+    track_megatron_over_mirror_meta.unit = "ratio"

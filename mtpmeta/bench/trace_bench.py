@@ -14,7 +14,9 @@ device data op". The reference's read-backs on meta are answered from the host
 (``HostKnownReference``): ``syncs`` counts them, upstream's syncs per step.
 
 What each row tells a scheduler author: ``mirror`` is the default call on a GPU,
-``captured`` the opt-in captured draft loop (contract §12), ``block counts`` the
+``captured`` the opt-in captured draft loop (contract §12), ``megatron, patched
+helpers`` an engine on upstream's call sites after ``mtpmeta.integrations.megatron.
+patch()`` (the context's helpers, one fused call each), ``block counts`` the
 opt-in ``block_counts=`` (contract §5), ``2 threads`` the opt-in table threads
 (``MTPMETA_TABLE_THREADS``), ``device inputs`` passing the draft loop's inputs as
 device tensors, ``drop-in`` keeping upstream's call sites with mtpmeta's writers; the
@@ -47,7 +49,7 @@ from mtpmeta.bench.trace import PRODUCTION_TRACE, PRODUCTION_WIDE_TRACE, STANDAR
 from mtpmeta.bench.trace_replay import Replay, device_inputs, known_syncs
 from mtpmeta.buffers.device_runtime import use_runtime
 
-__all__ = ["LAUNCH_US", "TraceRow", "ROWS", "rows_for", "trace_geometries",
+__all__ = ["LAUNCH_US", "MEGATRON_KEY", "TraceRow", "ROWS", "rows_for", "trace_geometries",
            "measure_trace", "format_trace", "run_trace"]
 
 LAUNCH_US = 4.0  # the CUDA driver's launch cost per device data op, for the estimate
@@ -83,6 +85,7 @@ ROWS = (
     TraceRow("reference", "reference"),
     TraceRow("mirror", "mirror"),
     TraceRow("captured", "captured"),
+    TraceRow("megatron, patched helpers", "megatron", geometries=("standard", "production")),
     TraceRow("mirror, block counts", "mirror", block_counts=True),
     TraceRow("captured, block counts", "captured", block_counts=True,
              geometries=("standard", "production")),
@@ -102,6 +105,10 @@ ROWS = (
 )
 
 
+#: The row of the engine's steps through the helpers ``megatron.patch()`` installs.
+MEGATRON_KEY = "megatron, patched helpers @meta"
+
+
 def rows_for(geometry: str) -> Tuple[TraceRow, ...]:
     """The rows timed on ``geometry`` (a name of ``trace_geometries``; a geometry no
     row names gets every row meant for all of them)."""
@@ -115,10 +122,6 @@ def trace_geometries(quick: bool) -> Dict[str, Tuple[TraceConfig, int]]:
             "production": (PRODUCTION_TRACE, 12 if quick else PRODUCTION_TRACE.steps),
             "production W 8192": (PRODUCTION_WIDE_TRACE,
                                   6 if quick else PRODUCTION_WIDE_TRACE.steps)}
-
-
-def _percentile(values: List[float], q: float) -> float:
-    return float(np.percentile(np.asarray(values), q))
 
 
 def _timed_pass(replay: Replay, trace: List[TraceStep]) -> List[float]:
@@ -222,7 +225,7 @@ def measure_trace(config: TraceConfig, steps: int, *, repeats: int = 5, seed: in
             out = {"label": row.label, "path": row.path, "device": row.device,
                    "device_inputs": row.device_inputs,
                    "median_us": statistics.median(per_step),
-                   "p90_us": _percentile(per_step, 90), **counts[row.key],
+                   "p90_us": float(np.percentile(per_step, 90)), **counts[row.key],
                    "block_counts": row.block_counts, "table_threads": row.table_threads,
                    "runtime_calls": _runtime_calls(row, config, inputs[row.key], known)}
             if row.device == "meta":
@@ -330,7 +333,8 @@ def _growth_text(growth: Tuple[Dict[str, float], int, int]) -> str:
 def verdict_line(out: Dict[str, Any], checked: Dict[str, int],
                  growth: Optional[Tuple[Dict[str, float], int, int]] = None) -> str:
     """The run in one line: the traces checked, and per geometry the reference's µs
-    over the mirror path's and the captured loop's on meta, and the fastest row's."""
+    over the mirror path's, the captured loop's and the fastest row's on meta, and the
+    patched engine helpers' µs over the mirror path's (``MEGATRON_KEY``)."""
     parts = []
     for name, result in out.items():
         rows = {key: row for key, row in result["rows"].items()
@@ -339,8 +343,14 @@ def verdict_line(out: Dict[str, Any], checked: Dict[str, int],
         best = max(rows.values(), key=lambda row: row["speedup_vs_reference"], default=None)
         if best is not None and all(best is not row for row in shown):
             shown.append(best)
-        parts.append(f"{name} " + ", ".join(
-            f"{row['label']} {row['speedup_vs_reference']:.2f}x" for row in shown))
+        part = f"{name} " + ", ".join(
+            f"{row['label']} {row['speedup_vs_reference']:.2f}x" for row in shown)
+        if MEGATRON_KEY in rows and "mirror @meta" in rows:
+            engine = rows[MEGATRON_KEY]
+            part += (f", {engine['label']} {engine['speedup_vs_reference']:.2f}x "
+                     f"({engine['median_us'] / rows['mirror @meta']['median_us']:.2f}x "
+                     f"the mirror path's µs)")
+        parts.append(part)
     steps = ", ".join(f"{name} {count}" for name, count in checked.items())
     capacity = "" if growth is None else f"; {_growth_text(growth)}"
     return (f"verdict: every timed path left the reference's views and buffers on the "

@@ -13,6 +13,10 @@ count and longest length, and the eager loop's ``max_seqlen_k``) cannot run:
 from a CPU replay of the same trace, and counts them (``patched``). Its
 ``repeat_interleave`` gets that token count as ``output_size``, as upstream's does.
 :class:`DropIn` is that sequence with mtpmeta's individual writers in place of its own.
+The ``megatron`` path makes the commit pass and the draft loop through an engine
+context's MTP helpers as ``mtpmeta.integrations.megatron.patch()`` installs them
+(``mtpmeta.bench.engine_context``): the trace's requests hold rows ``[0, P)``, so each
+step declares the split ``(0, P)`` and passes the context's whole ``[R, W]`` table.
 """
 
 from __future__ import annotations
@@ -25,10 +29,11 @@ import torch
 from mtpmeta.kernels import table_threads
 from mtpmeta.reference import ReferenceMTPMetadata
 from mtpmeta.buffers.device_runtime import TorchRuntime
+from mtpmeta.bench.engine_context import EngineContext
 from mtpmeta.bench.trace import TraceConfig, TraceStep
 from mtpmeta.bench.variants import build, state_of
 
-__all__ = ["HostKnownReference", "DropIn", "PATHS", "Replay", "known_syncs", "check_trace",
+__all__ = ["HostKnownReference", "DropIn", "PATHS", "ENGINE_PATHS", "Replay", "known_syncs", "check_trace",
            "device_inputs"]
 
 
@@ -111,7 +116,10 @@ PATHS: Dict[str, Callable[[TraceConfig, torch.device], Tuple[Any, Any]]] = {
     "mirror": lambda config, device: _library("mirror", config, device),
     "captured": lambda config, device: _library("mirror", config, device),
     "drop-in": _drop_in,
+    "megatron": lambda config, device: _library("mirror", config, device),
 }
+#: Paths whose steps go through an engine context's helpers (:class:`Replay`).
+ENGINE_PATHS = ("megatron",)
 
 
 class Replay:
@@ -139,6 +147,9 @@ class Replay:
         self.known = known if isinstance(self.meta, HostKnownReference) else None
         self.captured = path == "captured"
         self.depths = depths or not self.captured
+        self.engine = (EngineContext(self.meta, self.view, self.table,
+                                     config.block_columns * config.block_size)
+                       if path in ENGINE_PATHS else None)
 
     def reset(self) -> None:
         self.table.fill_(self.empty)
@@ -159,6 +170,10 @@ class Replay:
                 self.draft_table[step.table_rows.to(device)] = step.table_values.to(device)
         if self.known is not None:
             self.meta.known = iter(self.known[index])
+        if self.engine is not None:  # the engine's counts and its requests' prefix hits
+            requests = step.inherited.numel()
+            self.engine.total_request_count = requests
+            self.engine.request_matched_prefix_blocks[:requests] = step.inherited
 
     def run(self, step: TraceStep) -> None:
         meta, view, table = self.meta, self.view, self.table
@@ -170,6 +185,9 @@ class Replay:
             meta.reset_request_rows(step.reset_rows)
         if step.take is not None:
             meta.take_chunk_boundary(*step.take)
+        if self.engine is not None:
+            self._run_engine(step)
+            return
         extra = {"block_counts": step.block_counts} if self.counts else {}
         meta.setup_commit_pass(view, step.append_counts, table,
                                start_positions=step.commit_starts,
@@ -190,6 +208,20 @@ class Replay:
             for _ in range(self.config.depths):
                 meta.setup_decode_step(view)
                 meta.advance_decode_step()
+        meta.end_forward()
+
+    def _run_engine(self, step: TraceStep) -> None:
+        """The step's commit pass and draft loop through the engine's helpers."""
+        engine, meta = self.engine, self.meta
+        engine._mtp_setup_prefill_step(step.append_counts, self.table, step.padded_tokens,
+                                       step.padded_requests, step.commit_starts)
+        meta.end_forward()
+        if step.carry is not None:
+            meta.carry_chunk_boundary(*step.carry)
+        engine._mtp_begin_decode(step.active, step.padded, step.start_positions, True)
+        for _ in range(self.config.depths):
+            engine._mtp_setup_decode_step()
+            meta.advance_decode_step()
         meta.end_forward()
 
     def replay(self, trace: List[TraceStep]) -> None:
@@ -254,7 +286,8 @@ def _device_input_replay(config: TraceConfig, trace: List[TraceStep]) -> Replay:
 
 
 def check_trace(config: TraceConfig, trace: List[TraceStep],
-                paths: Tuple[str, ...] = ("direct", "mirror", "captured", "drop-in"),
+                paths: Tuple[str, ...] = ("direct", "mirror", "captured", "drop-in",
+                                          "megatron"),
                 counts: Tuple[str, ...] = ("direct", "mirror", "captured"),
                 device_inputs: bool = True,
                 threaded: Tuple[str, ...] = ("mirror", "captured")) -> Optional[str]:

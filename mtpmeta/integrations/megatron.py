@@ -50,7 +50,7 @@ from mtpmeta.errors import MTPDisabledError
 from mtpmeta.metadata import MTPMetadata
 from mtpmeta.types import MTPForwardMode
 
-__all__ = ["patch", "unpatch", "is_patched", "METADATA_MODULE", "MIXIN_MODULE"]
+__all__ = ["patch", "unpatch", "is_patched", "HELPERS", "METADATA_MODULE", "MIXIN_MODULE"]
 
 #: Upstream's module that defines ``MTPMetadata`` and ``MTPForwardMode``.
 METADATA_MODULE = "megatron.core.inference.contexts.mtp_metadata"
@@ -63,19 +63,38 @@ _applied: List[Tuple[Any, str, Any]] = []
 
 
 # ------------------------------------------------------------------- the helpers
-def _active_rows(context: Any) -> slice:
-    """The context's active request rows, ``[paused_request_count, total_request_count)``.
+def _declare_rows(context: Any, meta: MTPMetadata) -> None:
+    """Declare the context's row split, ``[0, paused)`` paused and ``[paused, total)``
+    active (``paused_request_count``, ``total_request_count``), to ``meta``.
 
     The context's per-request arrays (``request_to_kv_block_ids`` [R, W],
     ``request_matched_prefix_blocks`` [R]) hold paused rows first, so active request
-    ``i`` is row ``paused + i``. The metadata is told the split too
-    (``set_request_rows``: its ``draft_annotation_offset``, read by ``check_invariants``,
-    and the rule that a whole ``R``-row array gives its active rows, contract §3).
-    Example: paused 1, total 3 -> rows ``slice(1, 3)``, offset 1.
+    ``i`` is row ``paused + i``. With the split declared the helpers pass those arrays
+    whole and the library takes their active rows (``set_request_rows``, contract §3);
+    it also sets ``draft_annotation_offset``, which ``check_invariants`` reads.
+    Example: paused 1, total 3, R 8 -> a commit pass of 2 requests reads rows 1 and 2.
     """
-    paused, total = int(context.paused_request_count), int(context.total_request_count)
-    context.mtp_metadata.set_request_rows(paused, total)
-    return slice(paused, total)
+    meta.set_request_rows(int(context.paused_request_count),
+                          int(context.total_request_count))
+
+
+def _in_active_order(context: Any, array: Any, count: Any) -> Any:
+    """A caller's per-request ``array`` as upstream's helper reads it: in active order,
+    request ``i`` at row ``i``.
+
+    The declared split makes an array of exactly ``R`` rows a whole context array, read
+    from row ``paused``; upstream reads the caller's start positions (the draft loop's
+    ``start_positions``, the commit's ``request_start_positions``) from row 0 whatever
+    their length (a static buffer of ``R``), so such an array behind paused rows is cut
+    to its first ``count`` rows
+    (an int, or ``append_counts``, whose length it is).
+    Example: R 8, paused 2, a static [8] start-position buffer for 3 requests ->
+    ``array[:3]``.
+    """
+    if (array is not None and context.paused_request_count
+            and len(array) == context.mtp_metadata.max_requests):
+        return array[:count if isinstance(count, int) else len(count)]
+    return array
 
 
 def _library_metadata(context: Any, helper: str, *, enabled: bool = False) -> MTPMetadata:
@@ -101,12 +120,14 @@ def _mtp_begin_decode(self: Any, active_request_count: int, padded_count: int,
     """Enter the draft loop over the active rows (upstream's helper, one fused call).
 
     ``start_positions`` [>= n]: depth 0's write position per active request. The
-    block table is the context's ``request_to_kv_block_ids`` at the active rows.
+    block table is the context's whole ``request_to_kv_block_ids``, of which the
+    library reads the active rows (the declared split).
     """
     meta = _library_metadata(self, "_mtp_begin_decode", enabled=True)
-    rows = _active_rows(self)
-    meta.begin_decode(active_request_count, padded_count, start_positions,
-                      self.request_to_kv_block_ids[rows], graphed)
+    _declare_rows(self, meta)
+    meta.begin_decode(active_request_count, padded_count,
+                      _in_active_order(self, start_positions, active_request_count),
+                      self.request_to_kv_block_ids, graphed)
 
 
 def _mtp_setup_decode_step(self: Any) -> None:
@@ -142,16 +163,17 @@ def _mtp_setup_prefill_step(self: Any, append_counts: Any, block_table_prefill: 
 
     ``append_counts`` [P] and ``block_table_prefill`` [P, W] are the P requests in
     active-row order; the inherited-block redirect reads the context's
-    ``request_matched_prefix_blocks`` at the active rows. ``total``
+    ``request_matched_prefix_blocks``, passed whole: the library reads its active rows
+    (the declared split). ``total``
     (``append_counts.sum()``) is accepted for upstream's signature; the library sums
     the counts on the host.
     """
     meta = _library_metadata(self, "_mtp_setup_prefill_step", enabled=True)
-    rows = _active_rows(self)
+    _declare_rows(self, meta)
     shape = meta.setup_commit_pass(
         self.gpu_view, append_counts, block_table_prefill,
-        start_positions=request_start_positions,
-        inherited_blocks=self.request_matched_prefix_blocks[rows],
+        start_positions=_in_active_order(self, request_start_positions, append_counts),
+        inherited_blocks=self.request_matched_prefix_blocks,
         padded_token_count=padded_token_count,
         padded_request_count=padded_request_count)
     max_seqlen = int(shape.max_seqlen_q)
@@ -167,7 +189,9 @@ def _mtp_setup_prefill_step(self: Any, append_counts: Any, block_table_prefill: 
     )
 
 
-_HELPERS = {
+#: The replacement helpers by upstream's name: what ``patch()`` sets on
+#: ``MTPContextMixin`` (the trace bench binds them to its engine context the same way).
+HELPERS = {
     "_mtp_begin_decode": _mtp_begin_decode,
     "_mtp_setup_decode_step": _mtp_setup_decode_step,
     "_mtp_setup_prefill_step": _mtp_setup_prefill_step,
@@ -196,7 +220,7 @@ def _require(owner: Any, name: str, where: str) -> Any:
 
 def _check_signature(mixin: Any, name: str) -> None:
     """Upstream's helper must take the replacement's parameters, in the same order."""
-    ours = list(inspect.signature(_HELPERS[name]).parameters)
+    ours = list(inspect.signature(HELPERS[name]).parameters)
     theirs = list(inspect.signature(getattr(mixin, name)).parameters)
     if theirs != ours:
         raise ImportError(
@@ -220,7 +244,7 @@ def patch() -> None:
     originals = {name: _require(metadata_module, name, METADATA_MODULE)
                  for name in ("MTPMetadata", "MTPForwardMode")}
     mixin = _require(mixin_module, "MTPContextMixin", MIXIN_MODULE)
-    for name in _HELPERS:
+    for name in HELPERS:
         _require(mixin, name, f"{MIXIN_MODULE}.MTPContextMixin")
         _check_signature(mixin, name)
     ours = {"MTPMetadata": MTPMetadata, "MTPForwardMode": MTPForwardMode}
@@ -231,7 +255,7 @@ def patch() -> None:
         for name, original in originals.items():
             if vars(module).get(name, _MISSING) is original:
                 _replace(module, name, ours[name])
-    for name, helper in _HELPERS.items():
+    for name, helper in HELPERS.items():
         _replace(mixin, name, helper)
 
 

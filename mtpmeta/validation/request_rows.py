@@ -104,9 +104,13 @@ class RequestRows:
 
 
 def leading_length(value: Any) -> Optional[int]:
-    """The leading length of an array argument (tensor, ndarray, sequence), or None."""
+    """The leading length of an array argument (tensor, ndarray, sequence), or None
+    (a scalar). An array's ``shape[0]``: a tensor's ``len`` goes through Python."""
     if value is None:
         return None
+    shape = getattr(value, "shape", None)
+    if shape is not None:
+        return shape[0] if len(shape) else None
     try:
         return len(value)
     except TypeError:
