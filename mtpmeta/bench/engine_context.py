@@ -71,7 +71,7 @@ class EngineContext:
         self.non_graph_attn_metadata = {"mha_metadata": AttentionMetadata(graph_max_seqlen)}
         self.active_attn_metadata: Any = None
         self.active_token_count = self.padded_active_token_count = 0
-        self.using_cuda_graph_this_step = False
+        self._using_cuda_graph_this_step = False
 
     def _mtp_activate_attn_metadata(self, graphed: bool, padded_request_count: int,
                                     max_seqlen_q: int, max_seqlen_k: int,
@@ -85,5 +85,5 @@ class EngineContext:
         self.active_attn_metadata = chosen
         self.active_token_count = token_count
         self.padded_active_token_count = padded_token_count
-        self.using_cuda_graph_this_step = graphed
+        self._using_cuda_graph_this_step = graphed
         return mha

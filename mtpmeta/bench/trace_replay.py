@@ -33,8 +33,8 @@ from mtpmeta.bench.engine_context import EngineContext
 from mtpmeta.bench.trace import TraceConfig, TraceStep
 from mtpmeta.bench.variants import build, state_of
 
-__all__ = ["HostKnownReference", "DropIn", "PATHS", "ENGINE_PATHS", "Replay", "known_syncs", "check_trace",
-           "device_inputs"]
+__all__ = ["HostKnownReference", "DropIn", "PATHS", "ENGINE_PATHS", "Replay", "known_syncs",
+           "check_trace", "device_inputs"]
 
 
 class HostKnownReference(ReferenceMTPMetadata):

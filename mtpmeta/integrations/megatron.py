@@ -49,6 +49,7 @@ from typing import Any, List, Optional, Tuple
 from mtpmeta.errors import MTPDisabledError
 from mtpmeta.metadata import MTPMetadata
 from mtpmeta.types import MTPForwardMode
+from mtpmeta.validation.request_rows import leading_length
 
 __all__ = ["patch", "unpatch", "is_patched", "HELPERS", "METADATA_MODULE", "MIXIN_MODULE"]
 
@@ -79,21 +80,21 @@ def _declare_rows(context: Any, meta: MTPMetadata) -> None:
 
 
 def _in_active_order(context: Any, array: Any, count: Any) -> Any:
-    """A caller's per-request ``array`` as upstream's helper reads it: in active order,
-    request ``i`` at row ``i``.
+    """A caller's start positions as upstream's helper reads them: request ``i`` at
+    entry ``i``, whatever the array's length.
 
-    The declared split makes an array of exactly ``R`` rows a whole context array, read
-    from row ``paused``; upstream reads the caller's start positions (the draft loop's
-    ``start_positions``, the commit's ``request_start_positions``) from row 0 whatever
-    their length (a static buffer of ``R``), so such an array behind paused rows is cut
-    to its first ``count`` rows
-    (an int, or ``append_counts``, whose length it is).
-    Example: R 8, paused 2, a static [8] start-position buffer for 3 requests ->
-    ``array[:3]``.
+    The declared split makes an array of exactly ``R`` entries a whole context array,
+    read from row ``paused``; a caller's static ``[R]`` start-position buffer (the draft
+    loop's ``start_positions``, the commit's ``request_start_positions``) holds the
+    active requests from entry 0, so behind paused rows it is cut to its first
+    ``count`` entries (``count``: an int, or ``append_counts``, whose length it is).
+    Example: R 8, paused 2, an [8] buffer for 3 requests -> ``array[:3]``.
     """
-    if (array is not None and context.paused_request_count
-            and len(array) == context.mtp_metadata.max_requests):
-        return array[:count if isinstance(count, int) else len(count)]
+    if (context.paused_request_count
+            and leading_length(array) == context.mtp_metadata.max_requests):
+        count = count if isinstance(count, int) else leading_length(count)
+        if count is not None:  # otherwise the call refuses the bad count itself
+            return array[:count]
     return array
 
 
@@ -162,9 +163,9 @@ def _mtp_setup_prefill_step(self: Any, append_counts: Any, block_table_prefill: 
     publish the attention metadata; leaves ``forward_mode`` at ``COMMIT``.
 
     ``append_counts`` [P] and ``block_table_prefill`` [P, W] are the P requests in
-    active-row order; the inherited-block redirect reads the context's
-    ``request_matched_prefix_blocks``, passed whole: the library reads its active rows
-    (the declared split). ``total``
+    active-row order (an [R, W] table is the context's whole table: its active rows
+    are read, the declared split); the inherited-block redirect reads the context's
+    ``request_matched_prefix_blocks``, passed whole, at its active rows. ``total``
     (``append_counts.sum()``) is accepted for upstream's signature; the library sums
     the counts on the host.
     """

@@ -12,22 +12,12 @@ from typing import Any, Dict, List
 
 import torch
 
+from mtpmeta.bench.engine_context import AttentionMetadata
 from tests.standin_megatron.mtp_context_mixin import MTPContextMixin
 from tests.standin_megatron.mtp_metadata import MTPMetadata
 from tests.upstream_view import UpstreamLayoutView
 
-__all__ = ["StandInContext", "RecordingMHA"]
-
-
-class RecordingMHA:
-    """The MHA metadata object: a capture-time ``max_seqlen`` and the last state set."""
-
-    def __init__(self, max_seqlen: int) -> None:
-        self.max_seqlen = max_seqlen
-        self.state: Dict[str, int] = {}
-
-    def set_state_data(self, **state: int) -> None:
-        self.state = dict(state)
+__all__ = ["StandInContext"]
 
 
 class StandInContext(MTPContextMixin):
@@ -49,8 +39,8 @@ class StandInContext(MTPContextMixin):
         self.total_request_count = 0
         self.request_to_kv_block_ids = torch.full((R, W), -1, dtype=torch.int32,
                                                   device=device)  # [R, W], -1 unallocated
-        self.graph_attn_metadata = {"mha_metadata": RecordingMHA(graph_max_seqlen)}
-        self.non_graph_attn_metadata = {"mha_metadata": RecordingMHA(graph_max_seqlen)}
+        self.graph_attn_metadata = {"mha_metadata": AttentionMetadata(graph_max_seqlen)}
+        self.non_graph_attn_metadata = {"mha_metadata": AttentionMetadata(graph_max_seqlen)}
         self.active_attn_metadata: Any = None
         self.active_token_count = 0
         self.padded_active_token_count = 0
