@@ -9,10 +9,11 @@ with ``.item()`` where upstream reads it, and ``forward_mode`` set to upstream's
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
+from mtpmeta.bench.engine_context import EngineContext
 # Bound at import, as upstream's module binds it: what patch() has to reach.
 from tests.standin_megatron.mtp_metadata import MTPForwardMode
 
@@ -22,20 +23,9 @@ __all__ = ["MTPContextMixin"]
 class MTPContextMixin:
     """The context's MTP helpers (upstream's behaviour, on the stand-in metadata)."""
 
-    def _mtp_activate_attn_metadata(self, graphed: bool, padded_request_count: int,
-                                    max_seqlen_q: int, max_seqlen_k: int, token_count: int,
-                                    padded_token_count: int) -> Any:
-        """Pick the graphed or eager attention metadata, give it this forward's bounds,
-        and make it the context's active one; returns its MHA object."""
-        chosen = self.graph_attn_metadata if graphed else self.non_graph_attn_metadata
-        mha = chosen["mha_metadata"]
-        mha.set_state_data(padded_active_request_count=padded_request_count,
-                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
-        self.active_attn_metadata = chosen
-        self.active_token_count = token_count
-        self.padded_active_token_count = padded_token_count
-        self._using_cuda_graph_this_step = graphed
-        return mha
+    # Upstream's activation at its smallest (the state set, nothing launched), shared
+    # with the trace bench's engine context: the patch leaves this method alone.
+    _mtp_activate_attn_metadata = EngineContext._mtp_activate_attn_metadata
 
     def _mtp_begin_decode(self, active_request_count: int, padded_count: int,
                           start_positions: torch.Tensor, graphed: bool = False) -> None:
