@@ -282,6 +282,19 @@ def test_unpatch_restores_every_original_object_and_patch_twice_is_one(upstream)
     megatron.unpatch()  # not patched: nothing to do
 
 
+def test_the_trace_bench_times_the_helpers_patch_installs(upstream):
+    """The bench's ``megatron`` row (``mtpmeta.bench.engine_context``) binds the very
+    functions ``patch()`` sets on upstream's mixin, so its figure is the patch's."""
+    from mtpmeta.bench.engine_context import EngineContext
+
+    megatron.patch()
+    mixin = upstream[f"{standin_megatron.PACKAGE}.mtp_context_mixin"].MTPContextMixin
+    assert set(megatron.HELPERS) == set(HELPERS)
+    for name, helper in megatron.HELPERS.items():
+        assert mixin.__dict__[name] is helper
+        assert EngineContext.__dict__[name] is helper
+
+
 def test_patch_without_megatron_raises_import_error_naming_the_module(monkeypatch):
     for name in [key for key in sys.modules if key.split(".")[0] == "megatron"]:
         monkeypatch.delitem(sys.modules, name)
