@@ -350,6 +350,23 @@ def test_every_timed_row_is_checked_and_has_its_baseline():
                 assert row.path in arguments["threaded"]
 
 
+def test_verdict_names_the_patched_helpers_once_with_their_ratio_to_the_mirror_path():
+    """The engine row is shown once, with its µs over the mirror path's, even when it
+    is the fastest row of its geometry (which would otherwise be shown as such)."""
+    def row(label, path, us):
+        return {"label": label, "path": path, "device": "meta", "median_us": us,
+                "speedup_vs_reference": 500 / us}
+
+    rows = {"reference @meta": row("reference", "reference", 500),
+            "mirror @meta": row("mirror", "mirror", 125),
+            "captured @meta": row("captured", "captured", 250),
+            trace_bench.MEGATRON_KEY: row("megatron, patched helpers", "megatron", 100)}
+    line = trace_bench.verdict_line({"standard": {"rows": rows}}, {"standard": 4})
+    assert line.count("megatron, patched helpers") == 1, line
+    assert ("standard mirror 4.00x, captured 2.00x, megatron, patched helpers 5.00x "
+            "(0.80x the mirror path's µs)") in line
+
+
 def test_cli_trace_exits_1_when_a_path_differs(monkeypatch, capsys):
     monkeypatch.setattr(trace_replay, "check_trace", lambda config, trace, **kw: "planted")
     monkeypatch.setattr(trace_bench, "trace_geometries",

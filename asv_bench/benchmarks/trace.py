@@ -9,7 +9,7 @@ busy machine moves them less than the times.
 """
 
 from mtpmeta.bench.trace import STANDARD_TRACE
-from mtpmeta.bench.trace_bench import measure_trace
+from mtpmeta.bench.trace_bench import MEGATRON_KEY, measure_trace
 
 STEPS = 16
 
@@ -31,11 +31,11 @@ class TrackTraceHostShare:
                 / rows["reference @meta"]["launch_estimate_us"])
 
     def track_megatron_over_reference_meta(self, rows):
-        return (rows["megatron, patched helpers @meta"]["median_us"]
+        return (rows[MEGATRON_KEY]["median_us"]
                 / rows["reference @meta"]["median_us"])
 
     def track_megatron_over_mirror_meta(self, rows):
-        return (rows["megatron, patched helpers @meta"]["median_us"]
+        return (rows[MEGATRON_KEY]["median_us"]
                 / rows["mirror @meta"]["median_us"])
 
     track_mirror_over_reference_meta.unit = "ratio"

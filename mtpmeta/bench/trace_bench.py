@@ -341,12 +341,12 @@ def verdict_line(out: Dict[str, Any], checked: Dict[str, int],
                 if row["device"] == "meta" and row["path"] != "reference"}
         shown = [rows[key] for key in ("mirror @meta", "captured @meta") if key in rows]
         best = max(rows.values(), key=lambda row: row["speedup_vs_reference"], default=None)
-        if best is not None and all(best is not row for row in shown):
+        engine = rows.get(MEGATRON_KEY)  # shown below, with its µs over the mirror's
+        if best is not None and best is not engine and all(best is not r for r in shown):
             shown.append(best)
         part = f"{name} " + ", ".join(
             f"{row['label']} {row['speedup_vs_reference']:.2f}x" for row in shown)
-        if MEGATRON_KEY in rows and "mirror @meta" in rows:
-            engine = rows[MEGATRON_KEY]
+        if engine is not None and "mirror @meta" in rows:
             part += (f", {engine['label']} {engine['speedup_vs_reference']:.2f}x "
                      f"({engine['median_us'] / rows['mirror @meta']['median_us']:.2f}x "
                      f"the mirror path's µs)")
