@@ -7,20 +7,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mtpmeta import ContextGPUView, MTPMetadata
-from mtpmeta.bench.counters import H2DCounter, StagingRecorder, measure_traffic, \
-    upstream_h2d_bytes
+from mtpmeta.bench.counters import H2DCounter, measure_traffic, \
+    recorded_mirror, upstream_h2d_bytes
 from mtpmeta.bench.workload import StepConfig, make_steps, production_steps
-from mtpmeta.buffers.device_runtime import use_runtime
-
-
-def _mirror(config: StepConfig):
-    recorder = StagingRecorder()
-    with use_runtime(recorder):
-        meta = MTPMetadata(**config.metadata_kwargs())
-        meta.allocate("cpu", mirror=True, max_tokens=config.max_tokens)
-    view = ContextGPUView(config.max_requests, config.max_tokens, config.block_columns)
-    return meta, view, recorder
 
 
 def test_h2d_counter_sees_begin_decode_ship_the_table_once():
@@ -30,7 +19,7 @@ def test_h2d_counter_sees_begin_decode_ship_the_table_once():
     depth moves no table at all."""
     config = StepConfig(max_requests=16, block_columns=32, block_size=8, active=10,
                         prefill_tokens=8, inherited_blocks=1, moves=2, swaps=1, resets=2)
-    meta, view, recorder = _mirror(config)
+    meta, view, recorder = recorded_mirror(config)
     inputs = make_steps(config, 1, seed=0)[0]
     with H2DCounter(recorder) as counter:
         meta.begin_decode(10, 16, inputs.start_positions, inputs.block_table, False)

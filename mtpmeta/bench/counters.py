@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten
 from mtpmeta.buffers.device_runtime import TorchRuntime, use_runtime
 
 __all__ = ["OpCounter", "DeviceOpCounter", "StagingRecorder", "H2DCounter",
-           "CountingRuntime", "CALLS", "counted_step", "upstream_h2d_bytes",
+           "recorded_mirror", "CountingRuntime", "CALLS", "counted_step", "upstream_h2d_bytes",
            "measure_traffic"]
 
 _SCALAR_READ = "aten::_local_scalar_dense"
@@ -247,7 +247,10 @@ def upstream_h2d_bytes(config: Any, steps: List[Any]) -> float:
     return total / len(steps)
 
 
-def _recorded_mirror(config: Any):
+def recorded_mirror(config: Any):
+    """``(metadata, view, recorder)``: a mirror-path ``MTPMetadata`` for ``config`` (a
+    ``StepConfig``) allocated on the CPU under a ``StagingRecorder``, which sees every
+    host-to-device copy it stages, and a ``ContextGPUView`` of the config's shape."""
     from mtpmeta.gpu_view import ContextGPUView
     from mtpmeta.metadata import MTPMetadata
 
@@ -273,14 +276,14 @@ def measure_traffic(config: Any = None, *, steps: int = 2, seed: int = 0
 
     config = PRODUCTION if config is None else config
     inputs = production_steps(config, steps, seed)
-    meta, view, recorder = _recorded_mirror(config)
+    meta, view, recorder = recorded_mirror(config)
     with H2DCounter(recorder) as in_order:
         for x in inputs:
             run_step(meta, view, x, config)
     with OpCounter() as mirror_ops:
         run_step(meta, view, inputs[0], config)
     # A fresh object, so the first commit pass follows no draft loop on its table either.
-    meta, view, recorder = _recorded_mirror(config)
+    meta, view, recorder = recorded_mirror(config)
     with H2DCounter(recorder) as commit_first:
         for x in inputs:
             run_step_commit_first(meta, view, x, config)
