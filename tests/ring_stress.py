@@ -109,6 +109,18 @@ def first_stall(stalls: List[int], calls: List[str]) -> Tuple[int, int]:
     return index, sum(name in FORWARDS for name in staged)
 
 
+def assert_ran_ahead_then_waited(stalls: List[int], calls: List[str], awake: List[bool],
+                                 slots: int) -> None:
+    """The host staged at least ``slots`` forwards without waiting, the device did not
+    run before the first call that waited on a fence (``awake[i]``: whether the device
+    had run by call ``i``), and that call waited for it."""
+    index, staged = first_stall(stalls, calls)
+    assert index > 0, f"no call waited on a fence: {list(zip(calls, stalls))}"
+    assert staged >= slots, (staged, calls[:index + 1])
+    assert not any(awake[:index]), "the device ran before the host waited on a fence"
+    assert awake[index], "the call that stalled on a fence did not wait for the device"
+
+
 @contextlib.contextmanager
 def no_fence_waits(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """The negative control: every ring reuses its slots without waiting for the copies

@@ -18,8 +18,9 @@ import torch
 from mtpmeta import ContextGPUView, MTPMetadata
 from mtpmeta.bench.workload import make_steps
 from tests.cuda_sim import CudaSim
-from tests.ring_stress import (BUFFERS, FIELDS, calls_per_step, first_stall,
-                               no_fence_waits, reference_forwards, run_window,
+from tests.ring_stress import (BUFFERS, FIELDS, assert_ran_ahead_then_waited,
+                               calls_per_step, first_stall, no_fence_waits,
+                               reference_forwards, run_window,
                                wrong_forwards)
 from tests.test_cuda_sim import assert_no_hidden_copies, small_step_config
 
@@ -95,11 +96,7 @@ def test_host_stages_slots_forwards_ahead_then_waits_on_the_pending_fence(slots)
     start meanwhile; the next ring use waits on a pending fence, and only then has
     the device run past the start."""
     _, calls, stalls, awake, _ = sim_window(slots, 20 + slots, **STALLED)
-    index, staged = first_stall(stalls, calls)
-    assert index > 0, f"no call waited on a fence: {list(zip(calls, stalls))}"
-    assert staged >= slots, (staged, calls[:index + 1])
-    assert not any(awake[:index]), "the device ran before the host waited"
-    assert awake[index], "the stalled call did not wait for the device"
+    assert_ran_ahead_then_waited(stalls, calls, awake, slots)
 
 
 def test_no_fence_waits_let_the_standard_step_stress_see_wrong_forwards(monkeypatch):

@@ -27,8 +27,9 @@ from mtpmeta.bench.workload import make_steps  # noqa: E402
 from mtpmeta.buffers.device_runtime import CopyFence, TorchRuntime, use_runtime  # noqa: E402
 
 from tests.gpu.test_cuda_mirror import CONFIG  # noqa: E402
-from tests.ring_stress import (BUFFERS, FIELDS, calls_per_step, first_stall,  # noqa: E402
-                               no_fence_waits, reference_forwards, run_window,
+from tests.ring_stress import (BUFFERS, FIELDS, assert_ran_ahead_then_waited,  # noqa: E402
+                               calls_per_step, first_stall, no_fence_waits,
+                               reference_forwards, run_window,
                                wrong_forwards)
 
 CUDA = torch.device("cuda")
@@ -117,11 +118,7 @@ def test_standard_steps_behind_a_sleeping_stream_match_the_reference(slots):
     seed = 30 + slots
     forwards, calls, stalls, woke = gpu_window(slots, seed)
     assert wrong_forwards(forwards, reference(seed)) == []
-    index, staged = first_stall(stalls, calls)
-    assert index > 0, f"no call waited on a fence: {list(zip(calls, stalls))}"
-    assert staged >= slots, (staged, calls[:index + 1])
-    assert not any(woke[:index]), "the host waited for the device before a fence did"
-    assert woke[index], "the call that stalled on a fence did not wait for the device"
+    assert_ran_ahead_then_waited(stalls, calls, woke, slots)
 
 
 def test_no_fence_waits_let_the_standard_step_stress_see_wrong_forwards(monkeypatch):
