@@ -31,7 +31,12 @@ take both from the ``ForwardShape`` the fused call computed on the host. The one
 exception is an eager draft depth after ``start_positions`` arrived as a device tensor:
 the host has no copy of them (contract §10, ``max_seqlen_k`` is None), so that depth
 reads its longest KV length back from the view as upstream does. Host inputs keep the
-whole step free of syncs; device inputs of the commit pass are read back (contract §8).
+whole step free of syncs. On the engine's own placement (device counts and start
+positions, ``block_table_prefill`` a device copy of rows of the context's host table)
+the commit pass reads the counts and start positions back in one packed read, ``16 *
+A`` bytes and upstream's one sync, and takes the table rows from the context's host
+table instead of reading the device copy (``engine_inputs``, which says what that
+assumes and what is validated).
 
 Documented differences the replacements inherit from the library (README,
 "Differences from upstream"): inputs are validated before anything is written, and a
@@ -47,6 +52,7 @@ import sys
 from typing import Any, List, Optional, Tuple
 
 from mtpmeta.errors import MTPDisabledError
+from mtpmeta.integrations.engine_inputs import check_total, commit_inputs
 from mtpmeta.metadata import MTPMetadata
 from mtpmeta.types import MTPForwardMode
 from mtpmeta.validation.request_rows import leading_length
@@ -165,15 +171,20 @@ def _mtp_setup_prefill_step(self: Any, append_counts: Any, block_table_prefill: 
     ``append_counts`` [P] and ``block_table_prefill`` [P, W] are the P requests in
     active-row order (an [R, W] table is the context's whole table: its active rows
     are read, the declared split); the inherited-block redirect reads the context's
-    ``request_matched_prefix_blocks``, passed whole, at its active rows. ``total``
-    (``append_counts.sum()``) is accepted for upstream's signature; the library sums
-    the counts on the host.
+    ``request_matched_prefix_blocks``, passed whole, at its active rows. Device counts
+    and start positions come to the host in one packed read and the table rows from
+    the context's host table (``engine_inputs``: one sync, as upstream's helper);
+    ``total`` (``append_counts.sum()``), when given, must be the counts' sum.
     """
     meta = _library_metadata(self, "_mtp_setup_prefill_step", enabled=True)
     _declare_rows(self, meta)
+    append_counts, block_table_prefill, starts = commit_inputs(
+        self, append_counts, block_table_prefill,
+        _in_active_order(self, request_start_positions, append_counts), meta.max_requests)
+    check_total(total, append_counts)
     shape = meta.setup_commit_pass(
         self.gpu_view, append_counts, block_table_prefill,
-        start_positions=_in_active_order(self, request_start_positions, append_counts),
+        start_positions=starts,
         inherited_blocks=self.request_matched_prefix_blocks,
         padded_token_count=padded_token_count,
         padded_request_count=padded_request_count)

@@ -1,0 +1,134 @@
+"""The commit pass's inputs as Megatron's engine places them, brought to the host in
+one read.
+
+Upstream's ``MTPControllerMixin`` calls ``_mtp_setup_prefill_step`` with
+``append_counts`` [A] and ``request_start_positions`` [A] as device int64 tensors,
+``block_table_prefill`` [A, W] as a device copy (``.to(device)``) of the context's
+``request_to_kv_block_ids[paused:total][:A]``, and ``total`` (the counts' sum, which
+the caller has already read back). The context's ``request_to_kv_block_ids`` is a
+host (pinned) int32 ``[R, W]`` tensor.
+
+The library's commit pass validates every input on the host before it writes, so the
+patched helper brings them there at the cost of one sync, the one upstream's helper
+spends on ``seq_lengths.max().item()``:
+
+- the device counts and start positions: one packed device-to-host read of ``16 * A``
+  bytes (``torch.cat`` of both as int64, then the runtime's ``to_host``);
+- the block table: never read back. Its rows are taken from the context's host table,
+  from which the engine copied ``block_table_prefill``. That holds only under
+  upstream's contract, which the helper cannot check without reading the device copy:
+  it assumes it when the context's table is a host tensor of the same width and dtype
+  with at least ``A`` active rows. When the context's table is itself on the device
+  (no host copy to read), its rows travel in the same packed read (one sync, ``8 * A *
+  W`` more bytes).
+
+What is validated: the counts, the start positions and the host table rows, in full
+(each written block checked against the view before anything is written), and
+``total`` against the counts' sum. What is not: that the device ``block_table_prefill``
+holds the host rows it was copied from; the library writes the host rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from mtpmeta.buffers.device_runtime import get_runtime
+from mtpmeta.validation.inputs import is_device_tensor
+
+__all__ = ["commit_inputs", "check_total"]
+
+_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+def check_total(total: Any, counts: Any) -> None:
+    """``total`` (the caller's ``append_counts.sum()``) must be the host counts' sum;
+    ``ValueError`` naming both otherwise. ``counts``: host ints (anything else is left
+    to the commit pass's own checks)."""
+    if total is None:
+        return
+    try:
+        host = np.asarray(counts)
+    except (TypeError, ValueError, RuntimeError):
+        return
+    if host.ndim != 1 or host.dtype.kind not in "iu":
+        return
+    expected = int(host.sum())
+    if isinstance(total, bool) or not isinstance(total, (int, np.integer)) \
+            or int(total) != expected:
+        raise ValueError(f"total: {total!r}, expected the sum of append_counts "
+                         f"{expected}")
+
+
+def _host_rows(context: Any, table: Any, rows: int, paused: int,
+               runtime: Any) -> Optional[torch.Tensor]:
+    """Rows ``paused .. paused + rows`` of the context's host table, when the device
+    ``table`` is its copy by upstream's contract (module docstring); else None."""
+    host = getattr(context, "request_to_kv_block_ids", None)
+    if not (isinstance(host, torch.Tensor) and runtime.is_host(host) and host.dim() == 2
+            and table.dim() == 2 and table.shape[1] == host.shape[1]
+            and table.dtype == host.dtype and table.shape[0] >= rows
+            and int(context.total_request_count) - paused >= rows):
+        return None
+    return host[paused:paused + rows]
+
+
+def commit_inputs(context: Any, append_counts: Any, block_table: Any,
+                  start_positions: Any, max_requests: int
+                  ) -> Tuple[Any, Any, Any]:
+    """``(append_counts, block_table, start_positions)`` with every device tensor
+    replaced by host values (module docstring); host inputs come back as they are.
+
+    ``start_positions``: in active order (entry ``i`` for request ``i``). A device
+    table of exactly ``max_requests`` rows behind paused rows is the context's whole
+    table, whose active rows are read. Tensors of a non-integer dtype are left on the
+    device for the commit pass to refuse.
+    """
+    runtime = get_runtime()
+    on_device = [is_device_tensor(x, runtime) and x.device.type != "meta"
+                 and x.dtype in _INT_DTYPES
+                 for x in (append_counts, block_table, start_positions)]
+    if not any(on_device):
+        return append_counts, block_table, start_positions
+    counts_dev, table_dev, starts_dev = on_device
+    paused = int(context.paused_request_count)
+    if counts_dev and append_counts.dim() != 1:
+        return append_counts, block_table, start_positions  # refused by the pass
+    requests = append_counts.shape[0] if counts_dev else len(append_counts)
+    parts: List[torch.Tensor] = []
+    if counts_dev:
+        parts.append(append_counts.to(torch.int64))
+    if starts_dev and start_positions.dim() == 1 and start_positions.shape[0] >= requests:
+        parts.append(start_positions[:requests].to(torch.int64))
+    else:
+        starts_dev = False
+    table_rows = None
+    if table_dev:
+        table_rows = _host_rows(context, block_table, requests, paused, runtime)
+        if table_rows is None and block_table.dim() == 2:
+            whole = paused and block_table.shape[0] == max_requests
+            first = paused if whole else 0
+            if block_table.shape[0] - first >= requests:
+                parts.append(block_table[first:first + requests]
+                             .reshape(-1).to(torch.int64))
+            else:
+                table_dev = False
+        elif table_rows is None:
+            table_dev = False
+    if not parts:
+        return append_counts, table_rows if table_rows is not None else block_table, \
+            start_positions
+    packed = parts[0] if len(parts) == 1 else torch.cat(parts)
+    host = runtime.to_host(packed)  # the one sync
+    at = 0
+    if counts_dev:
+        append_counts, at = host[:requests], requests
+    if starts_dev:
+        start_positions, at = host[at:at + requests], at + requests
+    if table_rows is not None:
+        block_table = table_rows
+    elif table_dev:
+        block_table = host[at:].view(requests, block_table.shape[1]).to(block_table.dtype)
+    return append_counts, block_table, start_positions

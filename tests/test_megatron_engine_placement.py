@@ -1,0 +1,227 @@
+"""The patched helpers on the placement Megatron's engine really uses, under the CUDA
+simulator (``tests/cuda_sim.py``).
+
+Failure story: upstream's ``MTPControllerMixin`` hands the commit pass device counts,
+device start positions and a device copy of the context's block-table rows, and the
+draft loop device start positions beside the context's pinned host table. A patched
+helper that reads each device input back with its own blocking copy (the whole
+``[A, W]`` table among them) spends more syncs than upstream's one, and moves the
+table across the bus for nothing; one that takes the host rows from the wrong place
+writes KV into another request's blocks. So seeded multi-step runs (paused rows,
+prefix hits, zero counts, eager and graphed loops) go through the stand-in engine
+unpatched and patched on this placement, and every byte of the view, every
+``_mtp_activate_attn_metadata`` call and ``forward_mode`` must agree, while each
+helper's syncs and device-to-host bytes are counted against upstream's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+import pytest
+import torch
+
+from mtpmeta.integrations import megatron
+from tests import standin_megatron
+from tests.cuda_sim import CudaSim
+from tests.test_megatron_integration import (BS, D, GRAPH_MAX_SEQLEN, MAX_TOKENS, R, W,
+                                             random_steps)
+
+pytestmark = pytest.mark.cuda_sim
+
+
+class Placement:
+    """A stand-in context on the simulated device with the engine's placement: view
+    and metadata buffers on the device, ``request_to_kv_block_ids`` pinned host."""
+
+    def __init__(self, modules: Dict[str, Any], sim: CudaSim, patched: bool) -> None:
+        self.sim, self.patched = sim, patched
+        context_module = modules[f"{standin_megatron.PACKAGE}.dynamic_context"]
+        self.context = context_module.StandInContext(R, W, BS, D, MAX_TOKENS,
+                                                     GRAPH_MAX_SEQLEN)
+        meta = self.context.mtp_metadata
+        meta.deallocate()
+        meta.allocate("cpu", mirror=True) if patched else meta.allocate("cpu")
+        self.context.request_to_kv_block_ids = sim.host_empty((R, W), torch.int32)
+        self.read_bytes = 0
+        runtime, to_host = sim.runtime, sim.runtime.to_host
+
+        def counted_to_host(tensor: torch.Tensor) -> torch.Tensor:
+            self.read_bytes += tensor.numel() * tensor.element_size()
+            return to_host(tensor)
+
+        runtime.to_host = counted_to_host
+
+    def device(self, host: torch.Tensor) -> torch.Tensor:
+        """A device copy of ``host`` (outside any counted helper call)."""
+        out = torch.empty(tuple(host.shape), dtype=host.dtype)
+        out.copy_(host)
+        return out
+
+    def syncs(self) -> int:
+        """The patched side: every sync; upstream: its ``.item()`` read-backs (its
+        reference also issues host-scalar copies that CUDA runs as fills)."""
+        sim = self.sim
+        if self.patched:
+            return sim.syncs
+        return sum("_local_scalar_dense" in reason for reason in sim.sync_reasons)
+
+    def reads(self) -> int:
+        """Device-to-host bytes: the runtime's read-backs, and 8 per ``.item()`` (an
+        int64 or narrower scalar)."""
+        scalars = sum("_local_scalar_dense" in r for r in self.sim.sync_reasons)
+        return self.read_bytes + 8 * scalars
+
+    def counted(self, call) -> Dict[str, int]:
+        self.sim.synchronize()
+        syncs, reads = self.syncs(), self.reads()
+        call()
+        return dict(syncs=self.syncs() - syncs, reads=self.reads() - reads)
+
+    def record(self, what: str, cost: Dict[str, int]) -> Dict[str, Any]:
+        context, sim = self.context, self.sim
+        sim.synchronize()
+        calls = context.activations
+        return dict(what=what, view=sim.peek(context.gpu_view._buf), calls=len(calls),
+                    call=dict(calls[-1]) if calls else None,
+                    mode=context.mtp_metadata.forward_mode.value, cost=cost)
+
+
+def run_engine(modules: Dict[str, Any], steps: List[Dict], patched: bool,
+               seed: int = 0) -> List[Dict[str, Any]]:
+    """Drive ``steps`` as ``MTPControllerMixin`` calls the helpers (the commit pass
+    skipped when nothing is committed), on the engine's placement."""
+    if patched:
+        megatron.patch()
+    try:
+        sim = CudaSim(seed)
+        with sim:
+            place = Placement(modules, sim, patched)
+            context, meta = place.context, place.context.mtp_metadata
+            trace = []
+            for step in steps:
+                paused, total = step["paused"], step["total"]
+                n = total - paused
+                context.paused_request_count, context.total_request_count = paused, total
+                context.request_to_kv_block_ids.copy_(step["table"])
+                meta.request_matched_prefix_blocks.copy_(step["hits"])
+                counts = place.device(step["counts"])
+                starts = place.device(step["starts"])
+                table = place.device(context.request_to_kv_block_ids[paused:total][:n])
+                if int(step["counts"].sum()):
+                    cost = place.counted(lambda: context._mtp_setup_prefill_step(
+                        counts, table, padded_token_count=step["padded_tokens"],
+                        padded_request_count=step["padded_requests"],
+                        request_start_positions=starts, total=int(step["counts"].sum())))
+                    trace.append(place.record("commit", cost))
+                    meta.end_forward()
+                draft_starts = place.device(step["starts"] + step["counts"] - 1 + 1)
+                cost = place.counted(lambda: context._mtp_begin_decode(
+                    n, step["padded"], draft_starts, graphed=step["graphed"]))
+                trace.append(place.record("begin", cost))
+                for _ in range(step["depths"]):
+                    cost = place.counted(context._mtp_setup_decode_step)
+                    trace.append(place.record("depth", cost))
+                    meta.advance_decode_step()
+                meta.end_forward()
+            sim.synchronize()
+        return trace
+    finally:
+        megatron.unpatch()
+
+
+def engine_steps(seed: int) -> List[Dict]:
+    """Seeded steps with paused rows, prefix hits and graphed and eager loops, plus a
+    step whose counts are all zero (the engine skips its commit pass)."""
+    steps = random_steps(seed, count=8)
+    zero = dict(steps[0])
+    zero["counts"] = torch.zeros_like(zero["counts"])
+    zero["padded_tokens"] = 0
+    return steps + [zero]
+
+
+@pytest.fixture
+def upstream():
+    with standin_megatron.installed() as modules:
+        try:
+            yield modules
+        finally:
+            megatron.unpatch()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_engine_placement_writes_upstreams_bytes_with_no_more_syncs(upstream, seed):
+    steps = engine_steps(seed)
+    expected = run_engine(upstream, steps, patched=False, seed=seed)
+    actual = run_engine(upstream, steps, patched=True, seed=seed)
+    assert [e["what"] for e in expected] == [a["what"] for a in actual]
+    assert any(s["paused"] for s in steps) and any(s["hits"].any() for s in steps)
+    assert {s["graphed"] for s in steps} == {False, True}
+    assert any((s["counts"] == 0).any() for s in steps)
+    for index, (want, got) in enumerate(zip(expected, actual)):
+        where = f"event {index} ({want['what']})"
+        assert torch.equal(want["view"], got["view"]), f"{where}: view bytes differ"
+        assert want["calls"] == got["calls"], where
+        assert want["call"] == got["call"], f"{where}: {want['call']} != {got['call']}"
+        assert want["mode"] == got["mode"], where
+        assert got["cost"]["syncs"] <= want["cost"]["syncs"], (where, want, got)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_engine_placement_costs_per_helper(upstream, seed):
+    """Commit pass: one sync (upstream's one) and 16 bytes per request read back, the
+    table never; begin: no sync and no read-back; eager depth over requests: upstream's
+    one sync (the longest KV length, which only the device knows); graphed depth:
+    none."""
+    steps = engine_steps(seed)
+    trace = run_engine(upstream, steps, patched=True, seed=seed)
+    commits = [e for e in trace if e["what"] == "commit"]
+    sizes = [s["total"] - s["paused"] for s in steps if int(s["counts"].sum())]
+    assert commits and len(commits) == len(sizes)
+    for event, size in zip(commits, sizes):
+        assert event["cost"] == dict(syncs=1, reads=16 * size), event["cost"]
+    assert all(e["cost"] == dict(syncs=0, reads=0) for e in trace if e["what"] == "begin")
+    events = iter(trace)
+    for step in steps:
+        for event in events:
+            if event["what"] == "begin":
+                break
+        for _ in range(step["depths"]):
+            depth = next(events)
+            eager = not step["graphed"] and step["total"] > step["paused"]
+            assert depth["cost"] == dict(syncs=int(eager), reads=8 * eager), depth["cost"]
+
+
+def _one_commit(modules: Dict[str, Any], *, device_table: bool, total_offset: int = 0):
+    """One commit pass of 5 requests behind a paused row (patched); its cost."""
+    megatron.patch()
+    sim = CudaSim(0)
+    with sim:
+        place = Placement(modules, sim, patched=True)
+        context = place.context
+        host = torch.arange(R * W, dtype=torch.int32).view(R, W)  # every block allocated
+        if device_table:  # no host copy to take the rows from
+            context.request_to_kv_block_ids = place.device(host)
+        else:
+            context.request_to_kv_block_ids.copy_(host)
+        context.paused_request_count, context.total_request_count = 1, 6
+        counts = place.device(torch.tensor([3, 2, 0, 1, 2]))
+        starts = place.device(torch.tensor([0, 4, 2, 5, 1]))
+        table = place.device(host[1:6])
+        return place, place.counted(lambda: context._mtp_setup_prefill_step(
+            counts, table, padded_token_count=10, request_start_positions=starts,
+            total=8 + total_offset))
+
+
+def test_a_device_context_table_travels_in_the_one_packed_read(upstream):
+    """Outside upstream's placement (the context's table itself on the device) there
+    is no host copy: the rows come back in the same single read."""
+    _, cost = _one_commit(upstream, device_table=True)
+    assert cost == dict(syncs=1, reads=16 * 5 + 8 * 5 * W)
+    _, cost = _one_commit(upstream, device_table=False)
+    assert cost == dict(syncs=1, reads=16 * 5)
+
+
+def test_a_total_other_than_the_counts_sum_is_refused_before_any_write(upstream):
+    with pytest.raises(ValueError, match=r"total: 9, expected the sum of append_counts 8"):
+        _one_commit(upstream, device_table=False, total_offset=1)
