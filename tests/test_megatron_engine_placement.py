@@ -225,3 +225,65 @@ def test_a_device_context_table_travels_in_the_one_packed_read(upstream):
 def test_a_total_other_than_the_counts_sum_is_refused_before_any_write(upstream):
     with pytest.raises(ValueError, match=r"total: 9, expected the sum of append_counts 8"):
         _one_commit(upstream, device_table=False, total_offset=1)
+
+
+# ------------------------------------------------------------------ block counts
+from tests.test_megatron_integration import assert_same_trace, make_context, run  # noqa: E402
+
+
+@pytest.mark.parametrize("mirror", [False, True], ids=["direct", "mirror"])
+@pytest.mark.parametrize("block_counts", [False, True], ids=["exact", "counts"])
+def test_block_counts_differ_only_by_the_dummy_block_past_a_rows_count(upstream, mirror,
+                                                                       block_counts):
+    """``patch()`` is byte-exact; ``patch(block_counts=True)`` passes the context's
+    ``request_kv_block_counts`` and differs only where upstream copies a ``-1`` past a
+    row's count into ``mha_block_table``: ``D`` there."""
+    steps = random_steps(30, count=6)
+    expected = run(make_context(upstream), steps)
+    megatron.patch(block_counts=block_counts)
+    context = make_context(upstream, mirror=mirror)
+    actual = run(context, steps, check=True)
+    start, stop = context.gpu_view.spans["mha_block_table"]
+    differing = 0
+    for want, got in zip(expected, actual):
+        table_want = want["view"][start:stop].view(torch.int32)
+        table_got = got["view"][start:stop].view(torch.int32)
+        differs = table_want != table_got
+        assert bool((table_want[differs] == -1).all() and (table_got[differs] == D).all())
+        differing += int(differs.sum())
+        want["view"][start:stop] = got["view"][start:stop]  # the rest must agree
+    assert (differing > 0) == block_counts
+    assert_same_trace(expected, actual)
+
+
+def test_block_counts_stay_opt_in_because_drafts_write_past_the_count(upstream):
+    """A draft writes past the accepted tokens into a block the speculative rewind
+    released (the count dropped; the pre-rewind table still names the block). Upstream
+    writes it, and so does ``patch()``; with ``block_counts=True`` the depth is
+    refused before it writes."""
+    table = torch.arange(R * W, dtype=torch.int32).view(R, W)
+    counts = torch.full((R,), 1, dtype=torch.int32)  # one block kept, the rest released
+
+    def draft(context):
+        context.paused_request_count, context.total_request_count = 0, 2
+        context.request_to_kv_block_ids.copy_(table)
+        context.block_counts_override = counts
+        context._mtp_begin_decode(2, 2, torch.tensor([BS - 1, BS - 1]), graphed=False)
+        context._mtp_setup_decode_step()
+        context.mtp_metadata.advance_decode_step()
+        context._mtp_setup_decode_step()  # position BS: column 1, past the count
+        return context.gpu_view._buf.clone()
+
+    expected = draft(make_context(upstream))
+    megatron.patch()
+    assert torch.equal(draft(make_context(upstream, mirror=True)), expected)
+    megatron.unpatch()
+    megatron.patch(block_counts=True)
+    with pytest.raises(ValueError, match="block_counts"):
+        draft(make_context(upstream, mirror=True))
+
+
+def test_patch_refuses_a_block_counts_that_is_not_a_bool(upstream):
+    with pytest.raises(TypeError, match="block_counts"):
+        megatron.patch(block_counts=1)
+    assert not megatron.is_patched()

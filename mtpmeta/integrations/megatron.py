@@ -51,10 +51,12 @@ import inspect
 import sys
 from typing import Any, List, Optional, Tuple
 
+from mtpmeta.buffers.device_runtime import get_runtime
 from mtpmeta.errors import MTPDisabledError
 from mtpmeta.integrations.engine_inputs import check_total, commit_inputs
 from mtpmeta.metadata import MTPMetadata
 from mtpmeta.types import MTPForwardMode
+from mtpmeta.validation.inputs import is_device_tensor
 from mtpmeta.validation.request_rows import leading_length
 
 __all__ = ["patch", "unpatch", "is_patched", "HELPERS", "METADATA_MODULE", "MIXIN_MODULE"]
@@ -67,6 +69,8 @@ MIXIN_MODULE = "megatron.core.inference.contexts.mtp_context_mixin"
 _MISSING = object()  # an attribute that was not in the namespace before the patch
 # What patch() replaced: (namespace owner, name, original or _MISSING), in order.
 _applied: List[Tuple[Any, str, Any]] = []
+# patch()'s options while patched: {"block_counts": bool}.
+_options = {"block_counts": False}
 
 
 # ------------------------------------------------------------------- the helpers
@@ -104,6 +108,23 @@ def _in_active_order(context: Any, array: Any, count: Any) -> Any:
     return array
 
 
+def _block_counts(context: Any, host_inputs: bool) -> Any:
+    """The context's ``request_kv_block_counts`` (whole, ``[R]``: the declared split
+    takes the active rows) when ``patch(block_counts=True)`` asked for them and the
+    call's inputs are host ones (the device route takes no counts), else None.
+
+    Opt-in, not the default: upstream's draft loop writes positions up to
+    ``base_position - 1 + D``, past the accepted tokens, into blocks the speculative
+    rewind has already released (``request_kv_block_counts`` decremented, the
+    table entry cleared to -1); the newer engine snapshots the table before the rewind
+    for exactly that reason. A count-limited draft depth refuses such a write (contract
+    §5), where upstream writes it.
+    """
+    if not (_options["block_counts"] and host_inputs):
+        return None
+    return getattr(context, "request_kv_block_counts", None)
+
+
 def _library_metadata(context: Any, helper: str, *, enabled: bool = False) -> MTPMetadata:
     """``context.mtp_metadata``, which must be this library's (built after ``patch()``).
 
@@ -132,9 +153,12 @@ def _mtp_begin_decode(self: Any, active_request_count: int, padded_count: int,
     """
     meta = _library_metadata(self, "_mtp_begin_decode", enabled=True)
     _declare_rows(self, meta)
+    table = self.request_to_kv_block_ids
+    host = not (is_device_tensor(start_positions, get_runtime())
+                or is_device_tensor(table, get_runtime()))
     meta.begin_decode(active_request_count, padded_count,
                       _in_active_order(self, start_positions, active_request_count),
-                      self.request_to_kv_block_ids, graphed)
+                      table, graphed, block_counts=_block_counts(self, host))
 
 
 def _mtp_setup_decode_step(self: Any) -> None:
@@ -182,12 +206,14 @@ def _mtp_setup_prefill_step(self: Any, append_counts: Any, block_table_prefill: 
         self, append_counts, block_table_prefill,
         _in_active_order(self, request_start_positions, append_counts), meta.max_requests)
     check_total(total, append_counts)
+    host = not is_device_tensor(block_table_prefill, get_runtime())
     shape = meta.setup_commit_pass(
         self.gpu_view, append_counts, block_table_prefill,
         start_positions=starts,
         inherited_blocks=self.request_matched_prefix_blocks,
         padded_token_count=padded_token_count,
-        padded_request_count=padded_request_count)
+        padded_request_count=padded_request_count,
+        block_counts=_block_counts(self, host))
     max_seqlen = int(shape.max_seqlen_q)
     if shape.request_count and not shape.padded_token_count:
         max_seqlen = 0  # upstream's read-back of all-zero lengths (ForwardShape floors at 1)
@@ -246,9 +272,20 @@ def _replace(owner: Any, name: str, value: Any) -> None:
     setattr(owner, name, value)
 
 
-def patch() -> None:
+def patch(block_counts: bool = False) -> None:
     """Put upstream's engine on this library (module docstring); a second call does
-    nothing. Raises ``ImportError`` naming what is missing, patching nothing."""
+    nothing. Raises ``ImportError`` naming what is missing, patching nothing.
+
+    ``block_counts=True``: the helpers also pass the context's host
+    ``request_kv_block_counts`` (its active rows) to the fused calls whose table is on
+    the host, so the host reads and ships only the blocks in use (contract §5). The
+    one difference in the view is the dummy block ``D`` in place of ``-1`` in
+    ``mha_block_table`` past a row's count. Off by default: upstream's drafts may write
+    into blocks the speculative rewind released, past the count (``_block_counts``),
+    which a count-limited depth refuses.
+    """
+    if type(block_counts) is not bool:
+        raise TypeError(f"block_counts: {block_counts!r}, expected a bool")
     if _applied:
         return
     metadata_module = _upstream(METADATA_MODULE)
@@ -269,12 +306,14 @@ def patch() -> None:
                 _replace(module, name, ours[name])
     for name, helper in HELPERS.items():
         _replace(mixin, name, helper)
+    _options["block_counts"] = block_counts
 
 
 def unpatch() -> None:
     """Restore every original ``patch()`` replaced, object for object (a no-op when
     not patched). A context built while patched keeps this library's ``MTPMetadata``:
     build it again after ``unpatch()``."""
+    _options["block_counts"] = False
     while _applied:
         owner, name, original = _applied.pop()
         if original is _MISSING:

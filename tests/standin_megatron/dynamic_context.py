@@ -52,6 +52,17 @@ class StandInContext(MTPContextMixin):
         """[R] int32 host: inherited prefix blocks per row (the metadata's annotations)."""
         return self.mtp_metadata.request_matched_prefix_blocks
 
+    @property
+    def request_kv_block_counts(self) -> torch.Tensor:
+        """[R] int32 host: the blocks each row holds (its leading allocated columns;
+        ``block_counts_override`` when a test sets one)."""
+        if self.block_counts_override is not None:
+            return self.block_counts_override
+        table = self.request_to_kv_block_ids
+        return (table >= 0).cumprod(1).sum(1).to(torch.int32).cpu()
+
+    block_counts_override: Any = None
+
     def _mtp_activate_attn_metadata(self, **kwargs: Any) -> Any:
         self.activations.append(dict(kwargs))
         return super()._mtp_activate_attn_metadata(**kwargs)
