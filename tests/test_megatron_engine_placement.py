@@ -21,6 +21,7 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
+from mtpmeta.bench.counters import OpCounter
 from mtpmeta.integrations import megatron
 from tests import standin_megatron
 from tests.cuda_sim import CudaSim
@@ -73,9 +74,21 @@ class Placement:
         return self.read_bytes + 8 * scalars
 
     def counted(self, call) -> Dict[str, int]:
-        self.sim.synchronize()
+        """``call``'s syncs and read-back bytes (``cost``); its host-to-device copies,
+        their bytes and the staged (strided or converting) ones (``copies``)."""
+        sim = self.sim
+        sim.synchronize()
         syncs, reads = self.syncs(), self.reads()
-        call()
+        before = (sim.h2d_copies, sim.h2d_bytes, sim.staged_h2d_copies,
+                  sim.pageable_async_copies)
+        issued = sim.issued
+        with OpCounter() as counter:
+            call()
+        self.device_ops, self.allocations = sim.issued - issued, counter.new_storages
+        self.copies = dict(zip(("h2d", "h2d_bytes", "staged", "pageable"),
+                               (now - was for now, was in zip(
+                                   (sim.h2d_copies, sim.h2d_bytes, sim.staged_h2d_copies,
+                                    sim.pageable_async_copies), before))))
         return dict(syncs=self.syncs() - syncs, reads=self.reads() - reads)
 
     def record(self, what: str, cost: Dict[str, int]) -> Dict[str, Any]:
@@ -84,7 +97,8 @@ class Placement:
         calls = context.activations
         return dict(what=what, view=sim.peek(context.gpu_view._buf), calls=len(calls),
                     call=dict(calls[-1]) if calls else None,
-                    mode=context.mtp_metadata.forward_mode.value, cost=cost)
+                    mode=context.mtp_metadata.forward_mode.value, cost=cost,
+                    device_ops=self.device_ops, allocations=self.allocations)
 
 
 def run_engine(modules: Dict[str, Any], steps: List[Dict], patched: bool,
@@ -118,7 +132,7 @@ def run_engine(modules: Dict[str, Any], steps: List[Dict], patched: bool,
                 draft_starts = place.device(step["starts"] + step["counts"] - 1 + 1)
                 cost = place.counted(lambda: context._mtp_begin_decode(
                     n, step["padded"], draft_starts, graphed=step["graphed"]))
-                trace.append(place.record("begin", cost))
+                trace.append(dict(place.record("begin", cost), copies=place.copies, n=n))
                 for _ in range(step["depths"]):
                     cost = place.counted(context._mtp_setup_decode_step)
                     trace.append(place.record("depth", cost))
@@ -165,6 +179,8 @@ def test_engine_placement_writes_upstreams_bytes_with_no_more_syncs(upstream, se
         assert want["call"] == got["call"], f"{where}: {want['call']} != {got['call']}"
         assert want["mode"] == got["mode"], where
         assert got["cost"]["syncs"] <= want["cost"]["syncs"], (where, want, got)
+    # Device data ops (ops the simulated device runs), over the whole run.
+    assert 3 * sum(a["device_ops"] for a in actual) <= sum(e["device_ops"] for e in expected)
 
 
 @pytest.mark.parametrize("seed", range(2))
@@ -180,7 +196,17 @@ def test_engine_placement_costs_per_helper(upstream, seed):
     assert commits and len(commits) == len(sizes)
     for event, size in zip(commits, sizes):
         assert event["cost"] == dict(syncs=1, reads=16 * size), event["cost"]
-    assert all(e["cost"] == dict(syncs=0, reads=0) for e in trace if e["what"] == "begin")
+    begins = [e for e in trace if e["what"] == "begin"]
+    assert all(e["cost"] == dict(syncs=0, reads=0) for e in begins)
+    # The pinned table's active rows cross once, contiguous: nothing staged, nothing
+    # sent twice, nothing from pageable memory.
+    for event in begins:
+        n = event["n"]
+        assert event["copies"] == dict(h2d=int(n > 0), h2d_bytes=4 * n * W, staged=0,
+                                       pageable=0), event["copies"]
+        # The copies, then every planned depth at once (device_draft_plan): 8 ops (9
+        # when an older loop's longer rows are zeroed), into fixed scratch.
+        assert event["device_ops"] <= 9 and event["allocations"] == 0, event
     events = iter(trace)
     for step in steps:
         for event in events:
@@ -190,6 +216,10 @@ def test_engine_placement_costs_per_helper(upstream, seed):
             depth = next(events)
             eager = not step["graphed"] and step["total"] > step["paused"]
             assert depth["cost"] == dict(syncs=int(eager), reads=8 * eager), depth["cost"]
+            # A planned depth: one placement; eager, the bound's reduction besides
+            # (its scalar is the one allocation, as upstream's).
+            assert depth["device_ops"] == 1 + eager, depth["device_ops"]
+            assert depth["allocations"] == eager, depth["allocations"]
 
 
 def _one_commit(modules: Dict[str, Any], *, device_table: bool, total_offset: int = 0):

@@ -199,9 +199,15 @@ class DraftPlan:
 
     # ------------------------------------------------------------------- begin
     def begin(self, count: int, padded: int, start_positions: Tensor,
-              table_src: Tensor) -> None:
+              table_src: Tensor, host_table: bool = False) -> None:
         """Copy the inputs (``offsets[:n]``, ``block_table[:n]``, ``draft_count``) and
-        plan depths ``0..K-1`` of the loop: 8 device ops (see the module docstring)."""
+        plan depths ``0..K-1`` of the loop: 8 device ops (see the module docstring).
+
+        ``host_table``: ``table_src`` is in host memory (the engine's pinned table).
+        Its rows then cross to the device once, into ``block_table[:n]`` (both
+        contiguous), and the padded table copies them from there on the device; a
+        second host copy into the padded table's strided rows would move them twice
+        and, on CUDA, stage them through a temporary."""
         n, p, w = count, padded, self.width
         dtype = self._dtype
         table = self._tables[dtype]
@@ -213,7 +219,7 @@ class DraftPlan:
              positions, local, gathered) = self._rows_views(dtype, n)
             rows_src = table_src[:n]
             table_rows.copy_(rows_src, non_blocking=True)
-            padded_rows.copy_(rows_src, non_blocking=True)
+            padded_rows.copy_(table_rows if host_table else rows_src, non_blocking=True)
             # offsets[:n] (row [0, 0]), offsets + d, offsets + d + BS and the query
             # row's ones, in one addcmul.
             torch.addcmul(self._steps, start_positions[:n], self._scales, out=planned)

@@ -174,7 +174,7 @@ class DeviceRoute:
         3 ops and nothing planned (the captured loop)."""
         plan = self.plan
         if padded is not None:
-            plan.begin(count, padded, start_positions, table_src)
+            plan.begin(count, padded, start_positions, table_src, self.runtime.is_host(table_src))
         else:
             plan.valid = False
             buffers = self.buffers
