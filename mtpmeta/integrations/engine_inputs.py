@@ -26,6 +26,12 @@ What is validated: the counts, the start positions and the host table rows, in f
 (each written block checked against the view before anything is written), and
 ``total`` against the counts' sum. What is not: that the device ``block_table_prefill``
 holds the host rows it was copied from; the library writes the host rows.
+
+Why not a device route for the commit pass (torch ops sized by ``total`` and the
+padded counts): it would still read the longest length back (one sync, as upstream),
+so it saves no sync; it would check no value (a bad block or count would reach the
+KV cache), and it would run upstream's dozens of device ops per pass where the host
+route ships its staging in a few copies.
 """
 
 from __future__ import annotations
