@@ -317,3 +317,29 @@ def test_patch_refuses_a_block_counts_that_is_not_a_bool(upstream):
     with pytest.raises(TypeError, match="block_counts"):
         megatron.patch(block_counts=1)
     assert not megatron.is_patched()
+
+
+def test_drafts_read_the_pre_rewind_table_when_the_engine_keeps_one(upstream):
+    """An engine that snapshots its table before the speculative rewind keeps it as
+    ``mtp_metadata.prerewind_block_table``; the drafts read it (the rewound table has
+    -1 where the deepest drafts write), as the newer upstream helper does."""
+    snapshot = torch.arange(R * W, dtype=torch.int32).view(R, W)
+    rewound = snapshot.clone()
+    rewound[:, 1:] = -1  # the blocks past the first were released
+
+    def draft(context, table, keep=None):
+        context.paused_request_count, context.total_request_count = 0, 2
+        context.request_to_kv_block_ids.copy_(table)
+        if keep is not None:
+            context.mtp_metadata.prerewind_block_table = keep
+        context._mtp_begin_decode(2, 2, torch.tensor([BS - 1, BS - 1]), graphed=False)
+        for _ in range(2):  # the second depth writes column 1
+            context._mtp_setup_decode_step()
+            context.mtp_metadata.advance_decode_step()
+        return context.gpu_view._buf.clone()
+
+    expected = draft(make_context(upstream), snapshot)
+    megatron.patch()
+    for mirror in (False, True):
+        assert torch.equal(draft(make_context(upstream, mirror=mirror), rewound, snapshot),
+                           expected)

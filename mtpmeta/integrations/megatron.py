@@ -148,12 +148,18 @@ def _mtp_begin_decode(self: Any, active_request_count: int, padded_count: int,
     """Enter the draft loop over the active rows (upstream's helper, one fused call).
 
     ``start_positions`` [>= n]: depth 0's write position per active request. The
-    block table is the context's whole ``request_to_kv_block_ids``, of which the
-    library reads the active rows (the declared split).
+    block table is the context's whole ``request_to_kv_block_ids`` (or the metadata's
+    ``prerewind_block_table`` when the engine took one), of which the library reads
+    the active rows (the declared split).
     """
     meta = _library_metadata(self, "_mtp_begin_decode", enabled=True)
     _declare_rows(self, meta)
-    table = self.request_to_kv_block_ids
+    # The deepest drafts write past the accepted tokens, into blocks the speculative
+    # rewind releases; an engine that snapshots its table before the rewind keeps it
+    # on the metadata, and the drafts read that snapshot, as upstream's helper does.
+    table = getattr(meta, "prerewind_block_table", None)
+    if table is None:
+        table = self.request_to_kv_block_ids
     host = not (is_device_tensor(start_positions, get_runtime())
                 or is_device_tensor(table, get_runtime()))
     meta.begin_decode(active_request_count, padded_count,
