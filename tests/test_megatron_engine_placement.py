@@ -27,6 +27,7 @@ from tests import standin_megatron
 from tests.cuda_sim import CudaSim
 from tests.test_megatron_integration import (BS, D, GRAPH_MAX_SEQLEN, MAX_TOKENS, R, W,
                                              random_steps)
+from tests.upstream_view import UpstreamLayoutView
 
 pytestmark = pytest.mark.cuda_sim
 
@@ -102,11 +103,12 @@ class Placement:
 
 
 def run_engine(modules: Dict[str, Any], steps: List[Dict], patched: bool,
-               seed: int = 0) -> List[Dict[str, Any]]:
+               seed: int = 0, block_counts: bool = False) -> List[Dict[str, Any]]:
     """Drive ``steps`` as ``MTPControllerMixin`` calls the helpers (the commit pass
-    skipped when nothing is committed), on the engine's placement."""
+    skipped when nothing is committed), on the engine's placement; patched with
+    ``patch(block_counts=block_counts)``."""
     if patched:
-        megatron.patch()
+        megatron.patch(block_counts=block_counts)
     try:
         sim = CudaSim(seed)
         with sim:
@@ -163,12 +165,35 @@ def upstream():
             megatron.unpatch()
 
 
+def same_but_dummy_past_counts(want: Dict[str, Any], got: Dict[str, Any],
+                               view: Any) -> int:
+    """How many ``mha_block_table`` entries hold ``D`` in ``got`` where upstream's
+    ``want`` copies ``-1`` (every other entry equal); ``want`` then takes ``got``'s
+    table bytes, so the rest of the view compares as a whole."""
+    start, stop = view.spans["mha_block_table"]
+    table_want = want["view"][start:stop].view(torch.int32)
+    table_got = got["view"][start:stop].view(torch.int32)
+    differs = table_want != table_got
+    assert bool((table_want[differs] == -1).all() and (table_got[differs] == D).all())
+    want["view"][start:stop] = got["view"][start:stop]
+    return int(differs.sum())
+
+
+@pytest.mark.parametrize("block_counts", [False, True], ids=["exact", "counts"])
 @pytest.mark.parametrize("seed", range(3))
-def test_engine_placement_writes_upstreams_bytes_with_no_more_syncs(upstream, seed):
+def test_engine_placement_writes_upstreams_bytes_with_no_more_syncs(upstream, seed,
+                                                                    block_counts):
+    """``patch(block_counts=False)``: every byte upstream's; ``patch()``'s default
+    block counts: the dummy block past a row's count in the ``mha_block_table`` rows the
+    commit pass wrote, nothing else."""
     steps = engine_steps(seed)
     expected = run_engine(upstream, steps, patched=False, seed=seed)
-    actual = run_engine(upstream, steps, patched=True, seed=seed)
+    actual = run_engine(upstream, steps, patched=True, seed=seed,
+                        block_counts=block_counts)
     assert [e["what"] for e in expected] == [a["what"] for a in actual]
+    view = UpstreamLayoutView(R, MAX_TOKENS, W)
+    dummies = sum(same_but_dummy_past_counts(e, a, view) for e, a in zip(expected, actual))
+    assert (dummies > 0) == block_counts
     assert any(s["paused"] for s in steps) and any(s["hits"].any() for s in steps)
     assert {s["graphed"] for s in steps} == {False, True}
     assert any((s["counts"] == 0).any() for s in steps)
@@ -265,32 +290,30 @@ from tests.test_megatron_integration import assert_same_trace, make_context, run
 @pytest.mark.parametrize("block_counts", [False, True], ids=["exact", "counts"])
 def test_block_counts_differ_only_by_the_dummy_block_past_a_rows_count(upstream, mirror,
                                                                        block_counts):
-    """``patch()`` is byte-exact; ``patch(block_counts=True)`` passes the context's
-    ``request_kv_block_counts`` and differs only where upstream copies a ``-1`` past a
-    row's count into ``mha_block_table``: ``D`` there."""
+    """Host inputs: ``patch(block_counts=False)`` is byte-exact; ``patch()`` passes the
+    context's ``request_kv_block_counts`` to the commit pass and differs only where
+    upstream copies a ``-1`` past a row's count into ``mha_block_table``: ``D`` there,
+    until a draft depth rewrites those rows."""
     steps = random_steps(30, count=6)
     expected = run(make_context(upstream), steps)
-    megatron.patch(block_counts=block_counts)
+    if block_counts:
+        megatron.patch()
+    else:
+        megatron.patch(block_counts=False)
     context = make_context(upstream, mirror=mirror)
     actual = run(context, steps, check=True)
-    start, stop = context.gpu_view.spans["mha_block_table"]
-    differing = 0
-    for want, got in zip(expected, actual):
-        table_want = want["view"][start:stop].view(torch.int32)
-        table_got = got["view"][start:stop].view(torch.int32)
-        differs = table_want != table_got
-        assert bool((table_want[differs] == -1).all() and (table_got[differs] == D).all())
-        differing += int(differs.sum())
-        want["view"][start:stop] = got["view"][start:stop]  # the rest must agree
-    assert (differing > 0) == block_counts
+    differing = [same_but_dummy_past_counts(want, got, context.gpu_view)
+                 for want, got in zip(expected, actual)]
+    assert (sum(differing) > 0) == block_counts
     assert_same_trace(expected, actual)
 
 
-def test_block_counts_stay_opt_in_because_drafts_write_past_the_count(upstream):
-    """A draft writes past the accepted tokens into a block the speculative rewind
+def test_the_draft_loop_takes_no_counts_because_drafts_write_past_them(upstream):
+    """A draft writes past the committed tokens into a block the speculative rewind
     released (the count dropped; the pre-rewind table still names the block). Upstream
-    writes it, and so does ``patch()``; with ``block_counts=True`` the depth is
-    refused before it writes."""
+    writes it, and so does ``patch()``'s default: its block counts reach the commit
+    pass only; a count-limited draft depth (``begin_decode(block_counts=...)``) would
+    refuse it."""
     table = torch.arange(R * W, dtype=torch.int32).view(R, W)
     counts = torch.full((R,), 1, dtype=torch.int32)  # one block kept, the rest released
 
@@ -307,10 +330,16 @@ def test_block_counts_stay_opt_in_because_drafts_write_past_the_count(upstream):
     expected = draft(make_context(upstream))
     megatron.patch()
     assert torch.equal(draft(make_context(upstream, mirror=True)), expected)
-    megatron.unpatch()
-    megatron.patch(block_counts=True)
+    context = make_context(upstream, mirror=True)
+    context.request_to_kv_block_ids.copy_(table)
+    context.mtp_metadata.set_request_rows(0, 2)
+    context.mtp_metadata.begin_decode(2, 2, torch.tensor([BS - 1, BS - 1]),
+                                      context.request_to_kv_block_ids, False,
+                                      block_counts=counts)
+    context.mtp_metadata.setup_decode_step(context.gpu_view)
+    context.mtp_metadata.advance_decode_step()
     with pytest.raises(ValueError, match="block_counts"):
-        draft(make_context(upstream, mirror=True))
+        context.mtp_metadata.setup_decode_step(context.gpu_view)
 
 
 def test_patch_refuses_a_block_counts_that_is_not_a_bool(upstream):

@@ -178,7 +178,7 @@ def test_patched_helpers_write_the_views_and_bounds_upstreams_write(upstream, se
     expected = run(reference, steps)
     assert isinstance(reference.mtp_metadata, standin_metadata.MTPMetadata)
 
-    megatron.patch()
+    megatron.patch(block_counts=False)
     context = make_context(upstream, mirror=mirror)
     assert isinstance(context.mtp_metadata, MTPMetadata)
     actual = run(context, steps, check=True)
@@ -196,7 +196,7 @@ def test_static_caller_buffers_behind_paused_rows_are_read_in_active_order(upstr
     steps = [s for s in random_steps(20 + seed, count=12) if s["paused"]]
     assert steps
     expected = run(make_context(upstream), steps, static=True)
-    megatron.patch()
+    megatron.patch(block_counts=False)
     actual = run(make_context(upstream, mirror=True), steps, static=True)
     assert_same_trace(expected, actual)
 
@@ -224,7 +224,7 @@ def test_full_batch_pad_differs_only_in_the_documented_block_columns(upstream):
     table; every other byte and every call agrees."""
     steps = random_steps(11, count=3, full_batch=True)
     expected = run(make_context(upstream), steps)
-    megatron.patch()
+    megatron.patch(block_counts=False)
     context = make_context(upstream)
     actual = run(context, steps)
     start, stop = context.gpu_view.spans["mha_block_table"]
@@ -248,7 +248,7 @@ def test_eager_depth_after_device_start_positions_reads_the_bound_back(upstream,
     eager depth then reads it back from the view, and passes upstream's bound."""
     steps = [dict(s, graphed=False) for s in random_steps(3, count=3)]
     expected = run(make_context(upstream), steps)
-    megatron.patch()
+    megatron.patch(block_counts=False)
     actual = run(make_context(upstream, mirror=True), steps)
     assert_same_trace(expected, actual)
 

@@ -17,8 +17,9 @@ spends on ``seq_lengths.max().item()``:
 - the block table: never read back. Its rows are taken from the context's host table,
   from which the engine copied ``block_table_prefill``. That holds only under
   upstream's contract, which the helper cannot check without reading the device copy:
-  it assumes it when the context's table is a host tensor of the same width and dtype
-  with at least ``A`` active rows. When the context's table is itself on the device
+  it assumes it when the context's table is a host integer tensor of the same width
+  with at least ``A`` active rows (the engine casts its copy to the view's
+  ``mha_block_table`` dtype; the library checks the host ids against that dtype). When the context's table is itself on the device
   (no host copy to read), its rows travel in the same packed read (one sync, ``8 * A *
   W`` more bytes).
 
@@ -75,7 +76,7 @@ def _host_rows(context: Any, table: Any, rows: int, paused: int,
     host = getattr(context, "request_to_kv_block_ids", None)
     if not (isinstance(host, torch.Tensor) and runtime.is_host(host) and host.dim() == 2
             and table.dim() == 2 and table.shape[1] == host.shape[1]
-            and table.dtype == host.dtype and table.shape[0] >= rows
+            and host.dtype in _INT_DTYPES and table.shape[0] >= rows
             and int(context.total_request_count) - paused >= rows):
         return None
     return host[paused:paused + rows]

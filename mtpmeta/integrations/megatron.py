@@ -42,6 +42,9 @@ Documented differences the replacements inherit from the library (README,
 "Differences from upstream"): inputs are validated before anything is written, and a
 full commit batch (``P == max_requests``) with pad tokens points the absorbing request's
 block columns past its span at the dummy block instead of copying the caller's row.
+By default (``patch(block_counts=False)`` turns it off) the commit pass also takes the
+context's ``request_kv_block_counts``, and its ``mha_block_table`` rows hold the dummy
+block where upstream copies ``-1`` past a row's count.
 """
 
 from __future__ import annotations
@@ -69,8 +72,8 @@ MIXIN_MODULE = "megatron.core.inference.contexts.mtp_context_mixin"
 _MISSING = object()  # an attribute that was not in the namespace before the patch
 # What patch() replaced: (namespace owner, name, original or _MISSING), in order.
 _applied: List[Tuple[Any, str, Any]] = []
-# patch()'s options while patched: {"block_counts": bool}.
-_options = {"block_counts": False}
+# patch()'s options (their defaults while not patched, for HELPERS bound directly).
+_options = {"block_counts": True}
 
 
 # ------------------------------------------------------------------- the helpers
@@ -108,21 +111,25 @@ def _in_active_order(context: Any, array: Any, count: Any) -> Any:
     return array
 
 
-def _block_counts(context: Any, host_inputs: bool) -> Any:
-    """The context's ``request_kv_block_counts`` (whole, ``[R]``: the declared split
-    takes the active rows) when ``patch(block_counts=True)`` asked for them and the
-    call's inputs are host ones (the device route takes no counts), else None.
+def _commit_block_counts(context: Any, host_table: bool) -> Any:
+    """For the commit pass: the context's host ``request_kv_block_counts`` (whole,
+    ``[R]``: the declared split takes the active rows) unless
+    ``patch(block_counts=False)``, and when the table is on the host (the device route
+    takes no counts); else None.
 
-    Opt-in, not the default: upstream's draft loop writes positions up to
-    ``base_position - 1 + D``, past the accepted tokens, into blocks the speculative
-    rewind has already released (``request_kv_block_counts`` decremented, the
-    table entry cleared to -1); the newer engine snapshots the table before the rewind
-    for exactly that reason. A count-limited draft depth refuses such a write (contract
-    §5), where upstream writes it.
+    Safe by upstream's engine: the commit pass runs after the speculative rewind and
+    writes committed positions only (a decode request's accepted drafts, below
+    ``base_position - 1``; a prefill request's prompt positions ``off .. off + q - 2``),
+    all inside the blocks the rewound counts still hold. The draft loop gets no counts:
+    its depths write up to ``base_position - 2 + D``, past the committed tokens, into
+    blocks the rewind has released (the count lowered, the entry cleared to -1; the
+    newer engine keeps a pre-rewind table for them), which a count-limited depth
+    refuses (contract §5) where upstream writes them.
     """
-    if not (_options["block_counts"] and host_inputs):
+    if not (_options["block_counts"] and host_table):
         return None
-    return getattr(context, "request_kv_block_counts", None)
+    counts = getattr(context, "request_kv_block_counts", None)
+    return None if is_device_tensor(counts, get_runtime()) else counts  # host ones only
 
 
 def _library_metadata(context: Any, helper: str, *, enabled: bool = False) -> MTPMetadata:
@@ -160,11 +167,9 @@ def _mtp_begin_decode(self: Any, active_request_count: int, padded_count: int,
     table = getattr(meta, "prerewind_block_table", None)
     if table is None:
         table = self.request_to_kv_block_ids
-    host = not (is_device_tensor(start_positions, get_runtime())
-                or is_device_tensor(table, get_runtime()))
     meta.begin_decode(active_request_count, padded_count,
                       _in_active_order(self, start_positions, active_request_count),
-                      table, graphed, block_counts=_block_counts(self, host))
+                      table, graphed)
 
 
 def _mtp_setup_decode_step(self: Any) -> None:
@@ -219,7 +224,7 @@ def _mtp_setup_prefill_step(self: Any, append_counts: Any, block_table_prefill: 
         inherited_blocks=self.request_matched_prefix_blocks,
         padded_token_count=padded_token_count,
         padded_request_count=padded_request_count,
-        block_counts=_block_counts(self, host))
+        block_counts=_commit_block_counts(self, host))
     max_seqlen = int(shape.max_seqlen_q)
     if shape.request_count and not shape.padded_token_count:
         max_seqlen = 0  # upstream's read-back of all-zero lengths (ForwardShape floors at 1)
@@ -278,17 +283,16 @@ def _replace(owner: Any, name: str, value: Any) -> None:
     setattr(owner, name, value)
 
 
-def patch(block_counts: bool = False) -> None:
+def patch(block_counts: bool = True) -> None:
     """Put upstream's engine on this library (module docstring); a second call does
     nothing. Raises ``ImportError`` naming what is missing, patching nothing.
 
-    ``block_counts=True``: the helpers also pass the context's host
-    ``request_kv_block_counts`` (its active rows) to the fused calls whose table is on
-    the host, so the host reads and ships only the blocks in use (contract §5). The
-    one difference in the view is the dummy block ``D`` in place of ``-1`` in
-    ``mha_block_table`` past a row's count. Off by default: upstream's drafts may write
-    into blocks the speculative rewind released, past the count (``_block_counts``),
-    which a count-limited depth refuses.
+    ``block_counts`` (default True): the commit pass also takes the context's host
+    ``request_kv_block_counts`` (its active rows), so the host reads and ships only the
+    blocks in use (contract §5). The one difference in the view is the dummy block
+    ``D`` in place of ``-1`` in ``mha_block_table`` past a row's count.
+    ``block_counts=False`` keeps every byte upstream's. The draft loop takes no counts
+    (``_commit_block_counts`` says why).
     """
     if type(block_counts) is not bool:
         raise TypeError(f"block_counts: {block_counts!r}, expected a bool")
@@ -319,7 +323,7 @@ def unpatch() -> None:
     """Restore every original ``patch()`` replaced, object for object (a no-op when
     not patched). A context built while patched keeps this library's ``MTPMetadata``:
     build it again after ``unpatch()``."""
-    _options["block_counts"] = False
+    _options["block_counts"] = True
     while _applied:
         owner, name, original = _applied.pop()
         if original is _MISSING:
