@@ -372,3 +372,13 @@ def test_drafts_read_the_pre_rewind_table_when_the_engine_keeps_one(upstream):
     for mirror in (False, True):
         assert torch.equal(draft(make_context(upstream, mirror=mirror), rewound, snapshot),
                            expected)
+
+
+def test_meta_inputs_are_refused_with_a_value_error_naming_them(upstream):
+    megatron.patch()
+    context = make_context(upstream, mirror=True)
+    context.paused_request_count, context.total_request_count = 0, 2
+    counts = torch.ones(2, dtype=torch.int64, device="meta")
+    with pytest.raises(ValueError, match="append_counts.*meta tensor"):
+        context._mtp_setup_prefill_step(counts, context.request_to_kv_block_ids[:2],
+                                        total=2)

@@ -94,8 +94,7 @@ def commit_inputs(context: Any, append_counts: Any, block_table: Any,
     device for the commit pass to refuse.
     """
     runtime = get_runtime()
-    on_device = [is_device_tensor(x, runtime) and x.device.type != "meta"
-                 and x.dtype in _INT_DTYPES
+    on_device = [is_device_tensor(x, runtime) and x.dtype in _INT_DTYPES
                  for x in (append_counts, block_table, start_positions)]
     if not any(on_device):
         return append_counts, block_table, start_positions
@@ -128,7 +127,12 @@ def commit_inputs(context: Any, append_counts: Any, block_table: Any,
         return append_counts, table_rows if table_rows is not None else block_table, \
             start_positions
     packed = parts[0] if len(parts) == 1 else torch.cat(parts)
-    host = runtime.to_host(packed)  # the one sync
+    try:
+        host = runtime.to_host(packed)  # the one sync
+    except NotImplementedError as err:  # meta tensors (a runtime may answer for them)
+        raise ValueError(f"append_counts, request_start_positions, block_table_prefill: "
+                         f"a {packed.device.type} tensor has no values to read back "
+                         f"({err})") from err
     at = 0
     if counts_dev:
         append_counts, at = host[:requests], requests
