@@ -348,6 +348,26 @@ def test_patch_refuses_a_block_counts_that_is_not_a_bool(upstream):
     assert not megatron.is_patched()
 
 
+def test_a_second_patch_sets_block_counts_and_unpatch_restores_the_default(upstream):
+    """Block counts on, then off by a second ``patch``: the commit pass's table rows
+    then hold upstream's ``-1`` past the count again; after ``unpatch`` the default
+    is back."""
+    step = dict(random_steps(30, count=1)[0], depths=0)  # the commit's rows stay
+
+    def commit_table(context):
+        run(context, [step])
+        start, stop = context.gpu_view.spans["mha_block_table"]
+        return context.gpu_view._buf[start:stop].view(torch.int32)
+
+    expected = commit_table(make_context(upstream))
+    megatron.patch()
+    assert not torch.equal(commit_table(make_context(upstream, mirror=True)), expected)
+    megatron.patch(block_counts=False)
+    assert torch.equal(commit_table(make_context(upstream, mirror=True)), expected)
+    megatron.unpatch()
+    assert megatron._options["block_counts"] is True
+
+
 def test_drafts_read_the_pre_rewind_table_when_the_engine_keeps_one(upstream):
     """An engine that snapshots its table before the speculative rewind keeps it as
     ``mtp_metadata.prerewind_block_table``; the drafts read it (the rewound table has

@@ -284,8 +284,9 @@ def _replace(owner: Any, name: str, value: Any) -> None:
 
 
 def patch(block_counts: bool = True) -> None:
-    """Put upstream's engine on this library (module docstring); a second call does
-    nothing. Raises ``ImportError`` naming what is missing, patching nothing.
+    """Put upstream's engine on this library (module docstring); a second call patches
+    nothing more (it only sets ``block_counts``). Raises ``ImportError`` naming what is
+    missing, patching nothing.
 
     ``block_counts`` (default True): the commit pass also takes the context's host
     ``request_kv_block_counts`` (its active rows), so the host reads and ships only the
@@ -296,7 +297,8 @@ def patch(block_counts: bool = True) -> None:
     """
     if type(block_counts) is not bool:
         raise TypeError(f"block_counts: {block_counts!r}, expected a bool")
-    if _applied:
+    if _applied:  # already patched: only the option changes
+        _options["block_counts"] = block_counts
         return
     metadata_module = _upstream(METADATA_MODULE)
     mixin_module = _upstream(MIXIN_MODULE)
