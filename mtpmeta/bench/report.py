@@ -177,17 +177,19 @@ def spread_line(results: Dict[str, Dict[str, Any]]) -> str:
                          + ", ".join(parts), width=88, subsequent_indent="  ")
 
 
-def load_lines(load: Dict[str, Any]) -> List[str]:
+def load_lines(load: Dict[str, Any], swing: str = "see the per-pass spread",
+               steady: str = "--instructions counts") -> List[str]:
     """The load average before and after the timing, and a warning when the machine
-    was busy (``load["busy"]``)."""
+    was busy (``load["busy"]``; ``measure.machine_load``): ``swing`` says where the
+    output shows the noise, ``steady`` which of its figures load does not move."""
     lines = [f"load average (1 min) {load['before']:.2f} before timing, "
              f"{load['after']:.2f} after, on {load['cpus']} CPUs"]
     if load["busy"]:
         lines.append(textwrap.fill(
             "WARNING: the machine is busy: other processes compete for the CPUs, so "
-            "every time above reads high and the ratios swing (see the per-pass "
-            "spread); rerun on an idle machine, or compare --instructions counts, "
-            "which do not move with load", width=88, subsequent_indent="  "))
+            f"every time above reads high and the ratios swing ({swing}); rerun on an "
+            f"idle machine, or compare {steady}, which do not move with load",
+            width=88, subsequent_indent="  "))
     return lines
 
 
