@@ -9,7 +9,8 @@ method group, interleaved so a load change hits every row alike, counts torch op
 syncs and draft-loop allocations, and prints a table, the captured draft loop's host
 side, the cold start, with ``--targets`` the maintainers' performance targets and, with
 ``--instructions``, callgrind counts (a measure that does not move with machine load). ``--trace`` runs the seeded
-continuous-batching trace instead (``mtpmeta.bench.trace_bench``).
+continuous-batching trace instead (``mtpmeta.bench.trace_bench``), ``--plot PATH`` the
+width sweep drawn as a PNG (``mtpmeta.bench.width_sweep``).
 
 This module is the command line: its options, their checks (before any work, so a bad
 option costs nothing: one line on stderr, exit status 2; the helpers are shared with
@@ -96,6 +97,13 @@ def _parser() -> ToolParser:
                         "the reference, then timed on the meta device (the host's share "
                         "of a GPU step); a few minutes (about 4 on a 2-CPU machine), "
                         "--quick about one")
+    parser.add_argument("--plot", metavar="PATH",
+                        help="instead of the standard step: time the standard trace's "
+                        "traffic on block tables 128, 512, 2048 and 8192 columns wide "
+                        "(checked against the reference first) and draw host µs per "
+                        "step against W, for the default call, block counts and the "
+                        "reference, as a PNG at PATH (needs matplotlib: pip install "
+                        "'mtpmeta[plot]')")
     return parser
 
 
@@ -132,6 +140,14 @@ def _usage_problem(args) -> Optional[str]:
     if args.trace and (args.instructions or args.device != "cpu"):
         problem = problem or ("--trace times the meta device and the CPU; --device and "
                               "--instructions apply to the standard step only")
+    if args.plot is not None and problem is None:
+        from mtpmeta.bench.width_sweep import matplotlib_problem
+
+        if args.trace or args.instructions or args.device != "cpu":
+            problem = ("--plot times the meta device on its own; --trace, --device and "
+                       "--instructions do not combine with it")
+        problem = (problem or output_problem("--plot", args.plot)
+                   or matplotlib_problem())
     if args.instructions and problem is None:
         reason = unavailable()
         if reason:
@@ -152,6 +168,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.trace:
         from mtpmeta.bench.trace_bench import run_trace
         return run_trace(args)
+    if args.plot is not None:
+        from mtpmeta.bench.width_sweep import run_plot
+        return run_plot(args)
     config = StepConfig(max_requests=args.max_requests, active=args.active,
                         depths=args.depths, block_size=args.block_size,
                         block_columns=args.block_columns, prefill_tokens=args.prefill_tokens,

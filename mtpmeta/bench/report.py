@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from mtpmeta.bench.variants import DRAFT_MODES, Variant
 from mtpmeta.bench.workload import StepConfig
@@ -178,18 +178,19 @@ def spread_line(results: Dict[str, Dict[str, Any]]) -> str:
 
 
 def load_lines(load: Dict[str, Any], swing: str = "see the per-pass spread",
-               steady: str = "--instructions counts") -> List[str]:
+               steady: Optional[str] = "--instructions counts") -> List[str]:
     """The load average before and after the timing, and a warning when the machine
     was busy (``load["busy"]``; ``measure.machine_load``): ``swing`` says where the
-    output shows the noise, ``steady`` which of its figures load does not move."""
+    output shows the noise, ``steady`` which of its figures load does not move (None:
+    none does)."""
     lines = [f"load average (1 min) {load['before']:.2f} before timing, "
              f"{load['after']:.2f} after, on {load['cpus']} CPUs"]
     if load["busy"]:
+        steadier = f", or compare {steady}, which do not move with load" if steady else ""
         lines.append(textwrap.fill(
             "WARNING: the machine is busy: other processes compete for the CPUs, so "
             f"every time above reads high and the ratios swing ({swing}); rerun on an "
-            f"idle machine, or compare {steady}, which do not move with load",
-            width=88, subsequent_indent="  "))
+            f"idle machine{steadier}", width=88, subsequent_indent="  "))
     return lines
 
 
