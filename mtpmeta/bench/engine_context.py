@@ -34,9 +34,9 @@ from mtpmeta.metadata import MTPMetadata
 __all__ = ["AttentionMetadata", "EngineContext", "PATCH_TAKES_BLOCK_COUNTS",
            "patched_helpers"]
 
-#: Whether ``patch()`` has a ``block_counts`` setting yet. Until it has, both of the
-#: engine-placement rows run the helpers it installs today, which keep upstream's bytes;
-#: :func:`patched_helpers` is the one place that follows the setting.
+#: Whether ``patch()`` takes a ``block_counts`` setting. It does not: both of the
+#: engine-placement rows run the one set of helpers it installs, which keep upstream's
+#: bytes. This flag and :func:`patched_helpers` are the one place that follows it.
 PATCH_TAKES_BLOCK_COUNTS = False
 
 
@@ -44,7 +44,7 @@ def patched_helpers(block_counts: bool) -> Dict[str, Callable[..., None]]:
     """The helpers ``patch()`` installs with its ``block_counts`` setting (``False``:
     upstream's bytes; ``True``: each row's ``request_kv_block_counts`` passed to both
     fused calls), by upstream's name."""
-    del block_counts  # one set of helpers while PATCH_TAKES_BLOCK_COUNTS is False
+    del block_counts  # one set of helpers: PATCH_TAKES_BLOCK_COUNTS is False
     return HELPERS
 
 

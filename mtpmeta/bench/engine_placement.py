@@ -47,8 +47,7 @@ __all__ = ["BEGIN_STARTS_ON_DEVICE", "DeviceHeld", "PlacementRuntime", "EnginePl
 #: context's host table. ``begin_decode`` takes device start positions only with a
 #: device table (``mtpmeta.validation.checks.check_begin_decode``: every input of the
 #: device route on the buffers' device), so the rows give the begin host start
-#: positions, on both sides alike; this is the one switch to the client's placement
-#: once the begin takes it.
+#: positions, on both sides alike; True gives it the client's device ones.
 BEGIN_STARTS_ON_DEVICE = False
 
 

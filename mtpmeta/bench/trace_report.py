@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
 
-from mtpmeta.bench.report import speed
+from mtpmeta.bench.report import speed, versus
 
 __all__ = ["ENGINE_KEY", "ENGINE_REFERENCE_KEY", "ENGINE_BYTE_EXACT_KEY", "MEGATRON_KEY",
            "checked_line", "width_growth", "growth_text", "format_trace", "engine_line",
@@ -71,7 +71,7 @@ def _row_line(row: Dict[str, Any]) -> str:
                 if "launch_estimate_us" in row else "-")
     return (f"  {row['label']:<40}{row['device']:<5}{row['median_us']:>8,.0f} "
             f"{row['p90_us']:>8,.0f} {speed(row['speedup_vs_reference']):>13}  "
-            f"{estimate:>22}{ops:>8.1f}{row['syncs']:>7.2f}{row.get('d2h_bytes', 0):>10,.0f}"
+            f"{estimate:>22}{ops:>8.1f}{row['syncs']:>7.2f}{row.get('d2h_bytes', 0):>11,.0f}"
             f"{events:>8}")
 
 
@@ -92,7 +92,7 @@ def format_trace(name: str, result: Dict[str, Any]) -> str:
         f"{', '.join(setup['python_used']) or 'none'}; redirected: "
         f"{', '.join(setup['redirected_used']) or 'none'}",
         f"  {'path':<40}{'dev':<5}{'median':>8} {'p90':>8} {'vs ref':>13}  "
-        f"{'+4µs/op est.':>22}{'ops':>8}{'syncs':>7}{'D2H B':>10}{'ev/str':>8}"
+        f"{'+4µs/op est.':>22}{'ops':>8}{'syncs':>7}{'D2H B':>11}{'ev/str':>8}"
         f"   (µs per step)"]
     lines += [_row_line(row) for row in result["rows"].values()]
     lines.append("  vs ref: the reference's µs over the row's, same device (and inputs; the "
@@ -128,7 +128,7 @@ def verdict_line(out: Dict[str, Any], checked: Dict[str, int],
     """The run in one line: the traces checked, and per geometry the engine placement
     against upstream's helpers (with both sides' syncs), the reference's µs over the
     mirror path's, the captured loop's and the fastest row's on meta, and the patched
-    engine helpers' µs over the mirror path's (``MEGATRON_KEY``)."""
+    engine helpers' speed against the mirror path's (``MEGATRON_KEY``)."""
     parts = []
     for name, result in out.items():
         rows = {key: row for key, row in result["rows"].items()
@@ -148,9 +148,9 @@ def verdict_line(out: Dict[str, Any], checked: Dict[str, int],
         shown += [f"{row['label']} {speed(row['speedup_vs_reference'])}" for row in named]
         patched = rows.get(MEGATRON_KEY)
         if patched is not None and "mirror @meta" in rows:
+            pace = rows["mirror @meta"]["median_us"] / patched["median_us"]
             shown.append(f"{patched['label']} {speed(patched['speedup_vs_reference'])} "
-                         f"({patched['median_us'] / rows['mirror @meta']['median_us']:.2f}x "
-                         f"the mirror path's µs)")
+                         f"({versus(pace, 'the mirror path')})")
         parts.append(f"{name} " + ", ".join(shown))
     steps = ", ".join(f"{name} {count}" for name, count in checked.items())
     capacity = "" if growth is None else f"; {growth_text(growth)}"
