@@ -10,7 +10,8 @@ the commit pass's token owners and positions built with device ops from the devi
 one. The read-backs go through the metadata's ``_host_int`` (``int(value.item())``), so
 a replay on torch's ``meta`` device answers and counts them
 (``trace_replay.HostKnownReference``). With ``total`` given, as the engine passes it,
-the commit pass reads one value back (the longest length).
+the commit pass reads one value back (the longest length). The tests' stand-in for
+upstream's ``MTPContextMixin`` takes these very helpers.
 """
 
 from __future__ import annotations
@@ -28,9 +29,15 @@ __all__ = ["UpstreamEngineContext"]
 class UpstreamEngineContext(EngineContext):
     """The engine context with upstream's helpers over a reference ``metadata``."""
 
+    def _mtp_require_enabled(self) -> None:
+        """Upstream's assertion that the context's MTP KV cache is enabled."""
+        if not self.enable_mtp_kv_cache:
+            raise AssertionError("MTP KV cache is disabled")
+
     def _mtp_begin_decode(self, active_request_count: int, padded_count: int,
                           start_positions: Any, graphed: bool = False) -> None:
         """Stage the draft loop from the active rows of the context's block table."""
+        self._mtp_require_enabled()
         active = slice(self.paused_request_count, self.total_request_count)
         self.mtp_metadata.begin_decode(active_request_count, padded_count, start_positions,
                                        self.request_to_kv_block_ids[active], graphed)
@@ -62,6 +69,7 @@ class UpstreamEngineContext(EngineContext):
         """The varlen commit pass: request ``r`` writes ``append_counts[r]`` positions
         from its start through row ``r`` of ``block_table_prefill``, inherited blocks
         redirected; the lengths absorb the pad; ``COMMIT`` afterwards."""
+        self._mtp_require_enabled()
         meta, view = self.mtp_metadata, self.gpu_view
         device = view.token_to_block_idx.device
         requests = append_counts.numel()
