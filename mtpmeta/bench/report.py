@@ -36,7 +36,8 @@ LEGEND = """\
 columns: µs/step = median wall time of one standard step over the interleaved passes;
   rows, carry, depth, commit = µs of that step in the row moves/swaps/resets, the chunk
   carry and take, ONE draft depth (setup + advance), the commit pass;
-  speed-up = the reference's µs/step (same draft mode, same run) over this row's;
+  speed-up = the reference's µs/step (same draft mode, same run) over this row's
+  (below 1 it reads "N.Nx slower": the reference is N.N times faster);
   ops = torch ops dispatched per step (counts, not times); data ops = those that read
   or write tensor data (the rest are views, which launch nothing on a GPU);
   syncs = reads of a tensor's value back to the host (.item() and the like: a device
