@@ -95,7 +95,8 @@ def format_trace(name: str, result: Dict[str, Any]) -> str:
         f"{'+4µs/op est.':>22}{'ops':>8}{'syncs':>7}{'D2H B':>11}{'ev/str':>8}"
         f"   (µs per step)"]
     lines += [_row_line(row) for row in result["rows"].values()]
-    lines.append("  vs ref: the reference's µs over the row's, same device (and inputs; the "
+    lines.append("  vs ref: the reference's µs over the row's (below 1: 'slower'), same "
+                 "device (and inputs; the "
                  "engine-placement rows: upstream's helpers on that placement); ops: device "
                  "data ops per step (meta rows; CPU rows: all data ops); syncs: read-backs "
                  "per step, answered from the host on meta; D2H B: bytes they read back; "
