@@ -299,13 +299,13 @@ def test_cli_trace_reports_progress_first_and_each_section_as_it_goes(monkeypatc
     assert first_out == ""
     assert first_err.splitlines()[0].startswith("mtpmeta bench: trace: 3 geometries")
     assert first_err.splitlines()[-1] == ("mtpmeta bench: standard trace: checking "
-                                          "mirror, captured, megatron, drop-in, direct "
-                                          "against the "
-                                          "reference on 6 steps ...")
+                                          "upstream engine, megatron engine, mirror, "
+                                          "captured, megatron, drop-in, direct against "
+                                          "the reference on 6 steps ...")
     # Before the production check: the standard geometry's results are already out.
     out_before_production = seen_before_work[1][0]
-    assert ("standard trace: mirror, captured, megatron, drop-in, direct"
-            in out_before_production)
+    assert ("standard trace: upstream engine, megatron engine, mirror, captured, "
+            "megatron, drop-in, direct" in out_before_production)
     assert "trace, standard geometry" in out_before_production
     err = "".join(e for _, e in seen_before_work) + rest.err
     for name in TINY_GEOMETRIES:
@@ -321,10 +321,14 @@ def test_cli_trace_reports_progress_first_and_each_section_as_it_goes(monkeypatc
                                 "and buffers on the checked trace steps (standard 6, "
                                 "production 3, production W 8192 3; CPU)"), lines[-1]
     for name in TINY_GEOMETRIES:
-        assert f"{name} mirror " in lines[-1]
+        assert re.search(f"(: |; ){name} [^;]*mirror [0-9]", lines[-1]), name
     for name in ("standard", "production"):  # the geometries the engine row is timed on
-        assert re.search(f"{name} [^;]*megatron, patched helpers [0-9.]+x \\([0-9.]+x "
-                         "the mirror path's µs\\)", lines[-1]), lines[-1]
+        assert re.search(f"{name} megatron, engine placement [0-9.]+x( slower)? "
+                         f"\\([0-9.]+ syncs per step against upstream's [0-9.]+\\)",
+                         lines[-1]), lines[-1]
+        assert re.search(f"{name} [^;]*megatron, patched helpers [0-9.]+x( slower)? "
+                         "\\([0-9.]+x (faster|slower) than the mirror path\\)",
+                         lines[-1]), lines[-1]
     assert "; µs per step at W 32 over W 8 on the same traffic: mirror " in lines[-1]
 
 
@@ -340,8 +344,7 @@ def test_every_timed_row_is_checked_and_has_its_baseline():
         arguments = trace_bench._check_arguments(rows)
         for row in rows:
             assert row.path in PATHS
-            base = "reference, device inputs" if row.device_inputs else "reference"
-            assert f"{base} @{row.device}" in keys, (name, row)
+            assert row.baseline_key in keys, (name, row)
             if row.path != "reference":
                 assert row.path in arguments["paths"]
             if row.block_counts:
@@ -364,7 +367,7 @@ def test_verdict_names_the_patched_helpers_once_with_their_ratio_to_the_mirror_p
     line = trace_bench.verdict_line({"standard": {"rows": rows}}, {"standard": 4})
     assert line.count("megatron, patched helpers") == 1, line
     assert ("standard mirror 4.00x, captured 2.00x, megatron, patched helpers 5.00x "
-            "(0.80x the mirror path's µs)") in line
+            "(1.25x faster than the mirror path)") in line
 
 
 def test_cli_trace_exits_1_when_a_path_differs(monkeypatch, capsys):
@@ -391,7 +394,10 @@ def test_asv_discovers_the_trace_trackers():
             "trace.TrackTraceHostShare.track_captured_over_reference_meta",
             "trace.TrackTraceHostShare.track_mirror_over_reference_launch_estimate",
             "trace.TrackTraceHostShare.track_megatron_over_reference_meta",
-            "trace.TrackTraceHostShare.track_megatron_over_mirror_meta"} <= set(found)
+            "trace.TrackTraceHostShare.track_megatron_over_mirror_meta",
+            "trace.TrackTraceHostShare.track_engine_placement_over_upstream_meta",
+            "trace.TrackTraceHostShare.track_engine_placement_syncs_per_step",
+            "trace.TrackTraceHostShare.track_engine_placement_device_data_ops"} <= set(found)
 
 
 def test_agreement_check_covers_the_block_count_rows(standard, monkeypatch):

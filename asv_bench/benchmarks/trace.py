@@ -4,12 +4,15 @@ of the captured draft loop on torch's ``meta`` device with the C++ meta kernels,
 the reference's (upstream's op sequence) in the same run, and the same with the launch
 estimate (+4 µs per device data op); and the engine's steps through the helpers
 ``mtpmeta.integrations.megatron.patch()`` installs, over the reference and over the
-mirror path's fused calls (what the one-call patch keeps of their gain). Ratios, so a
-busy machine moves them less than the times.
+mirror path's fused calls (what the one-call patch keeps of their gain); and the
+headline, Megatron's client placement through those helpers over upstream's helpers on
+the same placement, with its syncs and device data ops per step. Ratios and counts, so
+a busy machine moves them less than the times.
 """
 
 from mtpmeta.bench.trace import STANDARD_TRACE
-from mtpmeta.bench.trace_bench import MEGATRON_KEY, measure_trace
+from mtpmeta.bench.trace_bench import ENGINE_KEY, ENGINE_REFERENCE_KEY, MEGATRON_KEY, \
+    measure_trace
 
 STEPS = 16
 
@@ -38,6 +41,18 @@ class TrackTraceHostShare:
         return (rows[MEGATRON_KEY]["median_us"]
                 / rows["mirror @meta"]["median_us"])
 
+    def track_engine_placement_over_upstream_meta(self, rows):
+        return rows[ENGINE_KEY]["median_us"] / rows[ENGINE_REFERENCE_KEY]["median_us"]
+
+    def track_engine_placement_syncs_per_step(self, rows):
+        return rows[ENGINE_KEY]["syncs"]
+
+    def track_engine_placement_device_data_ops(self, rows):
+        return rows[ENGINE_KEY]["device_data_ops"]
+
+    track_engine_placement_over_upstream_meta.unit = "ratio"
+    track_engine_placement_syncs_per_step.unit = "syncs"
+    track_engine_placement_device_data_ops.unit = "ops"
     track_mirror_over_reference_meta.unit = "ratio"
     track_captured_over_reference_meta.unit = "ratio"
     track_mirror_over_reference_launch_estimate.unit = "ratio"

@@ -7,8 +7,11 @@ Tooling, not the library. The command (``cli``, with the option handling it shar
   rows compared, their agreement check, the kernel floor), ``measure`` (timing),
   ``report`` (what is printed), ``instructions`` (callgrind counts);
 * the trace (``--trace``): ``trace`` (the seeded engine model), ``trace_replay`` (each
-  path replaying it, and their agreement check), ``trace_bench`` (its rows, timing and
-  table), ``meta_device`` (torch's meta device with its C++ kernels);
+  path replaying it, and their agreement check), ``engine_context``,
+  ``upstream_helpers`` and ``engine_placement`` (an engine context with the helpers
+  ``patch()`` installs or upstream's, and Megatron's client placement),
+  ``trace_bench`` (its rows and timing), ``trace_report`` (what is printed),
+  ``meta_device`` (torch's meta device with its C++ kernels);
 * ``counters``: torch ops, bytes host-to-device and CUDA runtime calls, for both and for
   the tests.
 """

@@ -7,9 +7,10 @@ eager and a graphed draft loop. It first checks that every path leaves the refer
 view contents and buffers (exit status 1 if not), then times whole steps and each
 method group, interleaved so a load change hits every row alike, counts torch ops,
 syncs and draft-loop allocations, and prints a table, the captured draft loop's host
-side, the targets, the cold start and, with ``--instructions``, callgrind counts (a
-measure that does not move with machine load). ``--trace`` runs the seeded
-continuous-batching trace instead (``mtpmeta.bench.trace_bench``).
+side, the cold start, with ``--targets`` the maintainers' performance targets and, with
+``--instructions``, callgrind counts (a measure that does not move with machine load). ``--trace`` runs the seeded
+continuous-batching trace instead (``mtpmeta.bench.trace_bench``), ``--plot PATH`` the
+width sweep drawn as a PNG (``mtpmeta.bench.width_sweep``).
 
 This module is the command line: its options, their checks (before any work, so a bad
 option costs nothing: one line on stderr, exit status 2; the helpers are shared with
@@ -31,7 +32,7 @@ import torch
 from mtpmeta.bench.measure import cold_start, load_now, machine_load, measure, \
     measure_captured
 from mtpmeta.bench.report import LEGEND, PROG, TARGETS_NOTE, format_captured, install_hint, \
-    load_lines, note, spread_line, table, target_lines, target_summary, verdict_line
+    load_lines, note, spread_line, table, target_lines, verdict_line
 from mtpmeta.bench.variants import check_identical, floor_matches, implementations
 from mtpmeta.bench.workload import StepConfig, make_steps
 
@@ -58,7 +59,7 @@ _SIZES = (("--max-requests", "max_requests", "request slots R (must exceed --act
 
 def _parser() -> ToolParser:
     parser = ToolParser(prog=PROG, description=DESCRIPTION,
-                        epilog=f"{LEGEND}\n\n{TARGETS_NOTE}")
+                        epilog=LEGEND)
     defaults = StepConfig()
     parser.add_argument("--quick", action="store_true",
                         help="4 steps, 5 passes, 1 warm cold-start run: about 30 s on an idle "
@@ -77,8 +78,8 @@ def _parser() -> ToolParser:
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the drawn steps and of the pass order")
     parser.add_argument("--targets", action="store_true",
-                        help="print each performance target with its figures (without "
-                             "it: one line, how many were met)")
+                        help="also print the maintainers' performance targets, each "
+                             "with this run's figures and met or MISSED")
     parser.add_argument("--threads", type=positive_int, default=1,
                         help="torch intra-op threads (1: OpenMP wake-ups on a busy host "
                              "make CPU timings of both sides noisy)")
@@ -96,6 +97,13 @@ def _parser() -> ToolParser:
                         "the reference, then timed on the meta device (the host's share "
                         "of a GPU step); a few minutes (about 4 on a 2-CPU machine), "
                         "--quick about one")
+    parser.add_argument("--plot", metavar="PATH",
+                        help="instead of the standard step: time the standard trace's "
+                        "traffic on block tables 128, 512, 2048 and 8192 columns wide "
+                        "(checked against the reference first) and draw host µs per "
+                        "step against W, for the default call, block counts and the "
+                        "reference, as a PNG at PATH (needs matplotlib: pip install "
+                        "'mtpmeta[plot]')")
     return parser
 
 
@@ -132,6 +140,14 @@ def _usage_problem(args) -> Optional[str]:
     if args.trace and (args.instructions or args.device != "cpu"):
         problem = problem or ("--trace times the meta device and the CPU; --device and "
                               "--instructions apply to the standard step only")
+    if args.plot is not None and problem is None:
+        from mtpmeta.bench.width_sweep import matplotlib_problem
+
+        if args.trace or args.instructions or args.device != "cpu":
+            problem = ("--plot times the meta device on its own; --trace, --device and "
+                       "--instructions do not combine with it")
+        problem = (problem or output_problem("--plot", args.plot)
+                   or matplotlib_problem())
     if args.instructions and problem is None:
         reason = unavailable()
         if reason:
@@ -152,6 +168,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.trace:
         from mtpmeta.bench.trace_bench import run_trace
         return run_trace(args)
+    if args.plot is not None:
+        from mtpmeta.bench.width_sweep import run_plot
+        return run_plot(args)
     config = StepConfig(max_requests=args.max_requests, active=args.active,
                         depths=args.depths, block_size=args.block_size,
                         block_columns=args.block_columns, prefill_tokens=args.prefill_tokens,
@@ -196,14 +215,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                                   "us_per_step_torch_inputs":
                                       floors["kernel floor, torch inputs"],
                                   "same_result": True}
-    targets = target_lines(results, floors, config.depths)
-    output["targets"] = targets
-    if targets and args.targets:
+    if args.targets:
+        targets = output["targets"] = target_lines(results, floors, config.depths)
         print(TARGETS_NOTE)
         for line in targets:
             print(f"target: {line}")
-    elif targets:
-        print(target_summary(targets))
     if on_cpu and not args.no_cold_start:
         note("cold start: a new process with an empty numba cache, then warm")
         cold = output["cold_start"] = cold_start(config, warm_runs=1 if args.quick else 3)

@@ -19,7 +19,7 @@ path as on a GPU.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Dict, Iterable, List, Sequence, Set
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -92,20 +92,23 @@ class OpCounter(TorchDispatchMode):
 
 
 class DeviceOpCounter(OpCounter):
-    """``OpCounter`` that also counts the data ops touching a non-CPU tensor
-    (``device_data_ops``): on a GPU, each is a kernel launch or a copy."""
+    """``OpCounter`` that also counts the data ops touching a device tensor
+    (``device_data_ops``): on a GPU, each is a kernel launch or a copy. ``is_device``:
+    which tensors are on the device (default: every non-CPU tensor; a runtime's
+    ``is_device`` also counts the host tensors it stands in for device ones)."""
 
-    def __init__(self) -> None:
+    def __init__(self, is_device: Optional[Callable[[torch.Tensor], bool]] = None) -> None:
         super().__init__()
         self.device_data_ops = 0
         self.overloads: set = set()  # every OpOverload dispatched
+        self.is_device = is_device or (lambda tensor: not tensor.is_cpu)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         result = super().__torch_dispatch__(func, types, args, kwargs)
         self.overloads.add(func)
         if not func.is_view:
             values, _ = tree_flatten((args, kwargs or {}, result))
-            if any(isinstance(v, torch.Tensor) and not v.is_cpu for v in values):
+            if any(isinstance(v, torch.Tensor) and self.is_device(v) for v in values):
                 self.device_data_ops += 1
         return result
 

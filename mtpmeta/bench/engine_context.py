@@ -9,9 +9,10 @@ those helpers read, no more:
 
 - ``mtp_metadata`` (this library's, mirror path) and ``gpu_view`` [view of ``R`` rows];
 - ``paused_request_count`` / ``total_request_count``: active rows ``[paused, total)``;
-- ``request_to_kv_block_ids`` [R, W] int32 and ``request_matched_prefix_blocks`` [R]
-  int32, the context's per-request arrays (the replay's own host table, and each row's
-  prefix hit, written by the engine before the step);
+- ``request_to_kv_block_ids`` [R, W] int32, ``request_matched_prefix_blocks`` [R]
+  int32 and ``request_kv_block_counts`` [R] int32, the context's per-request arrays (the
+  replay's own host table, each row's prefix hit and its blocks in use, written by the
+  engine before the step);
 - ``graph_attn_metadata`` / ``non_graph_attn_metadata``: ``{"mha_metadata": ...}``
   with a capture-time ``max_seqlen``, and ``_mtp_activate_attn_metadata``, which makes
   one of them the context's active metadata with the forward's bounds.
@@ -23,14 +24,28 @@ measures the helpers, not the engine's attention setup.
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Callable, Dict
 
 import torch
 
 from mtpmeta.integrations.megatron import HELPERS
 from mtpmeta.metadata import MTPMetadata
 
-__all__ = ["AttentionMetadata", "EngineContext"]
+__all__ = ["AttentionMetadata", "EngineContext", "PATCH_TAKES_BLOCK_COUNTS",
+           "patched_helpers"]
+
+#: Whether ``patch()`` takes a ``block_counts`` setting. It does not: both of the
+#: engine-placement rows run the one set of helpers it installs, which keep upstream's
+#: bytes. This flag and :func:`patched_helpers` are the one place that follows it.
+PATCH_TAKES_BLOCK_COUNTS = False
+
+
+def patched_helpers(block_counts: bool) -> Dict[str, Callable[..., None]]:
+    """The helpers ``patch()`` installs with its ``block_counts`` setting (``False``:
+    upstream's bytes; ``True``: each row's ``request_kv_block_counts`` passed to both
+    fused calls), by upstream's name."""
+    del block_counts  # one set of helpers: PATCH_TAKES_BLOCK_COUNTS is False
+    return HELPERS
 
 
 class AttentionMetadata:
@@ -67,6 +82,7 @@ class EngineContext:
         self.request_to_kv_block_ids = block_table
         self.request_matched_prefix_blocks = torch.zeros(metadata.max_requests,
                                                          dtype=torch.int32)
+        self.request_kv_block_counts = torch.zeros(metadata.max_requests, dtype=torch.int32)
         self.graph_attn_metadata = {"mha_metadata": AttentionMetadata(graph_max_seqlen)}
         self.non_graph_attn_metadata = {"mha_metadata": AttentionMetadata(graph_max_seqlen)}
         self.active_attn_metadata: Any = None

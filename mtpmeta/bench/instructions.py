@@ -183,8 +183,9 @@ def format_instructions(result: Dict[str, Any]) -> str:
     for label, count in per_step.items():
         draft = "graphed" if label.endswith("graphed") else "eager"
         reference = per_step[f"reference torch {draft}"]
-        lines.append(f"  {label:<28}{count:>12,.0f}{reference / count:>8.1f}x fewer than "
-                     f"the reference")
+        ratio = reference / count  # below 1: more instructions than the reference
+        fewer = f"{ratio:>8.1f}x fewer than" if ratio >= 1 else f"{1 / ratio:>8.1f}x more than"
+        lines.append(f"  {label:<28}{count:>12,.0f}{fewer} the reference")
     for draft in ("eager", "graphed"):
         lines.append(f"  direct torch {draft}: {result[f'direct_over_floor_{draft}']:.2f}x "
                      "the kernel floor's instructions, "

@@ -13,7 +13,13 @@ step (``counters.CountingRuntime``), and the launch-cost estimate "meta µs + 4 
 device data op". The reference's read-backs on meta are answered from the host
 (``HostKnownReference``): ``syncs`` counts them, upstream's syncs per step.
 
-What each row tells a scheduler author: ``mirror`` is the default call on a GPU,
+What each row tells a scheduler author: ``megatron, engine placement`` (the headline)
+is Megatron's engine as its client really calls (device commit inputs, the context's
+host table; ``mtpmeta.bench.engine_placement``) through the helpers ``patch()``
+installs, against upstream's helpers on the same placement (``reference, engine
+placement``), every read-back answered from the trace and counted, with its bytes
+(``D2H B``); ``..., byte-exact`` is the same with ``patch(block_counts=False)``
+(``engine_context.patched_helpers``); ``mirror`` is the default call on a GPU,
 ``captured`` the opt-in captured draft loop (contract §12), ``megatron, patched
 helpers`` an engine on upstream's call sites after ``mtpmeta.integrations.megatron.
 patch()`` (the context's helpers, one fused call each), ``block counts`` the
@@ -27,7 +33,8 @@ its objects are built in ``trace_replay.PATHS``): the check, the timing, the tab
 JSON and the verdict all read ``ROWS``.
 
 Progress goes to stderr as each section starts; results go to stdout as each section
-ends, flushed, and the run ends with a ``verdict:`` line.
+ends, flushed (``trace_report``), then the machine's load (a warning when it was
+busy), with ``--targets`` the trace targets, and a closing ``verdict:`` line.
 """
 
 from __future__ import annotations
@@ -43,14 +50,18 @@ import numpy as np
 import torch
 
 from mtpmeta.bench.counters import CountingRuntime, DeviceOpCounter
+from mtpmeta.bench.engine_context import PATCH_TAKES_BLOCK_COUNTS
 from mtpmeta.bench.meta_device import cpp_meta_kernels, meta_setup_report, micro_us
 from mtpmeta.bench.trace import PRODUCTION_TRACE, PRODUCTION_WIDE_TRACE, STANDARD_TRACE, \
     TraceConfig, TraceStep, make_trace, trace_shape_stats
 from mtpmeta.bench.trace_replay import Replay, device_inputs, known_syncs
+from mtpmeta.bench.trace_report import ENGINE_KEY, ENGINE_REFERENCE_KEY, MEGATRON_KEY, \
+    TRACE_TARGETS_NOTE, checked_line, format_trace, growth_text, trace_target_lines, \
+    verdict_line, width_growth
 from mtpmeta.buffers.device_runtime import use_runtime
 
-__all__ = ["LAUNCH_US", "MEGATRON_KEY", "TraceRow", "ROWS", "rows_for", "trace_geometries",
-           "measure_trace", "format_trace", "run_trace"]
+__all__ = ["LAUNCH_US", "MEGATRON_KEY", "ENGINE_KEY", "ENGINE_REFERENCE_KEY", "TraceRow",
+           "ROWS", "rows_for", "trace_geometries", "measure_trace", "run_trace"]
 
 LAUNCH_US = 4.0  # the CUDA driver's launch cost per device data op, for the estimate
 ALL = ("standard", "production", "production W 8192")
@@ -74,14 +85,29 @@ class TraceRow:
     block_counts: bool = False
     table_threads: int = 1
     geometries: Tuple[str, ...] = ALL
+    baseline: str = ""  # the reference row's label, when not the default's
 
     @property
     def key(self) -> str:
         return f"{self.label} @{self.device}"
 
+    @property
+    def baseline_key(self) -> str:
+        """The key of the reference row this row's ratio is taken against."""
+        label = self.baseline or ("reference, device inputs" if self.device_inputs
+                                  else "reference")
+        return f"{label} @{self.device}"
+
 
 #: Every row of the trace bench, in printed order: the one place a row is added.
 ROWS = (
+    TraceRow("reference, engine placement", "upstream engine",
+             geometries=("standard", "production"), baseline="reference, engine placement"),
+    TraceRow("megatron, engine placement", "megatron engine",
+             block_counts=PATCH_TAKES_BLOCK_COUNTS, geometries=("standard", "production"),
+             baseline="reference, engine placement"),
+    TraceRow("megatron, engine placement, byte-exact", "megatron engine",
+             geometries=("standard", "production"), baseline="reference, engine placement"),
     TraceRow("reference", "reference"),
     TraceRow("mirror", "mirror"),
     TraceRow("captured", "captured"),
@@ -103,10 +129,6 @@ ROWS = (
     TraceRow("reference", "reference", device="cpu", geometries=("standard", "production")),
     TraceRow("direct", "direct", device="cpu", geometries=("standard", "production")),
 )
-
-
-#: The row of the engine's steps through the helpers ``megatron.patch()`` installs.
-MEGATRON_KEY = "megatron, patched helpers @meta"
 
 
 def rows_for(geometry: str) -> Tuple[TraceRow, ...]:
@@ -143,36 +165,44 @@ def _timed_pass(replay: Replay, trace: List[TraceStep]) -> List[float]:
 
 def _counts(replay: Replay, trace: List[TraceStep]) -> Dict[str, Any]:
     """Ops per step of the step's calls (``run``), not of ``prepare``: the untimed
-    table update is 3 device ops on a step that grows a device table."""
-    patched = getattr(replay.meta, "patched", 0)
+    table update is 3 device ops on a step that grows a device table. Syncs: the
+    scalar reads plus the read-backs answered from the host (``Replay.read_backs``);
+    ``d2h_bytes``: the bytes those read back."""
+    reads, read_bytes = replay.read_backs()
     data_ops = device_data_ops = scalar_reads = 0
     overloads: set = set()
+    is_device = replay.runtime.is_device if replay.runtime is not None else None
     replay.reset()
     for index, step in enumerate(trace):
         replay.prepare(index, step)
-        with DeviceOpCounter() as counter:
+        with DeviceOpCounter(is_device) as counter:
             replay.run(step)
         data_ops += counter.data_ops
         device_data_ops += counter.device_data_ops
         scalar_reads += counter.scalar_reads
         overloads |= counter.overloads
     steps = len(trace)
-    syncs = scalar_reads + getattr(replay.meta, "patched", 0) - patched
+    reads_after, bytes_after = replay.read_backs()
     return {"data_ops": data_ops / steps, "device_data_ops": device_data_ops / steps,
-            "syncs": syncs / steps, "overloads": overloads}
+            "syncs": (scalar_reads + reads_after - reads) / steps,
+            "d2h_bytes": (bytes_after - read_bytes) / steps, "overloads": overloads}
 
 
-def _replay(row: TraceRow, config: TraceConfig, known: List[List[int]]) -> Replay:
-    """``row``'s replay; on meta, a path that reads back gets the host's values."""
+def _replay(row: TraceRow, config: TraceConfig, known: Dict[str, List[List[int]]]
+            ) -> Replay:
+    """``row``'s replay; on meta, a path that reads back gets the host's values
+    (``known``: by the path whose sequence of read-backs it makes: upstream's helpers
+    their own, every other path the reference's)."""
+    sequence = "upstream engine" if row.path == "upstream engine" else "reference"
     return Replay(row.path, config, torch.device(row.device),
                   table_device=row.device if row.device_inputs else "cpu",
-                  known=known if row.device == "meta" else None,
+                  known=known.get(sequence) if row.device == "meta" else None,
                   counts=row.block_counts, table_threads=row.table_threads)
 
 
 def _runtime_calls(row: TraceRow, config: TraceConfig, trace: List[TraceStep],
-                   known: List[List[int]]) -> Optional[Dict[str, float]]:
-    if row.path == "reference" or row.device == "cpu":
+                   known: Dict[str, List[List[int]]]) -> Optional[Dict[str, float]]:
+    if row.path in ("reference", "upstream engine") or row.device == "cpu":
         return None
     runtime = CountingRuntime()
     with use_runtime(runtime):
@@ -191,7 +221,8 @@ def measure_trace(config: TraceConfig, steps: int, *, repeats: int = 5, seed: in
     torch.set_num_threads(1)
     rows = rows_for("standard") if rows is None else rows
     trace = make_trace(config, steps, seed=seed)
-    known = known_syncs(config, trace)
+    known = {path: known_syncs(config, trace, path) for path in ("reference", "upstream engine")
+             if path == "reference" or any(row.path == path for row in rows)}
     meta_trace = device_inputs(trace, "meta") if any(r.device_inputs for r in rows) \
         else trace
     result: Dict[str, Any] = {
@@ -223,7 +254,7 @@ def measure_trace(config: TraceConfig, steps: int, *, repeats: int = 5, seed: in
         for row in rows:
             per_step = [statistics.median(s) for s in zip(*samples[row.key])]
             out = {"label": row.label, "path": row.path, "device": row.device,
-                   "device_inputs": row.device_inputs,
+                   "device_inputs": row.device_inputs, "baseline": row.baseline_key,
                    "median_us": statistics.median(per_step),
                    "p90_us": float(np.percentile(per_step, 90)), **counts[row.key],
                    "block_counts": row.block_counts, "table_threads": row.table_threads,
@@ -233,8 +264,7 @@ def measure_trace(config: TraceConfig, steps: int, *, repeats: int = 5, seed: in
                     "device_data_ops"]
             result["rows"][row.key] = out
     for row in result["rows"].values():
-        base = result["rows"][("reference, device inputs" if row["device_inputs"]
-                               else "reference") + f" @{row['device']}"]
+        base = result["rows"][row["baseline"]]
         row["speedup_vs_reference"] = base["median_us"] / row["median_us"]
         if "launch_estimate_us" in row:
             row["launch_speedup_vs_reference"] = (base["launch_estimate_us"]
@@ -251,28 +281,17 @@ def _check_arguments(rows: Tuple[TraceRow, ...]) -> Dict[str, Any]:
             "device_inputs": any(r.device_inputs and r.path == "mirror" for r in rows)}
 
 
-def _checked_line(name: str, steps: int, arguments: Dict[str, Any]) -> str:
-    paths = ", ".join(arguments["paths"])
-    extras = [f"{', '.join(arguments['counts'])} with block counts"] \
-        if arguments["counts"] else []
-    if arguments["threaded"]:
-        extras.append(f"{', '.join(arguments['threaded'])} on two table threads")
-    if arguments["device_inputs"]:
-        extras.append("mirror with device inputs")
-    more = f" (and {'; '.join(extras)})" if extras else ""
-    return (f"{name} trace: {paths}{more} leave the reference's view and buffers on all "
-            f"{steps} checked steps (CPU)")
-
-
 def run_trace(args: Any) -> int:
     """``mtpmeta bench --trace``: per geometry, check then time and print; 1 when a
     path's view or buffers differ from the reference's on a trace step (CPU), else 0
     after the verdict. ``args``: ``quick``, ``repeats``, ``seed``, ``json`` (the
-    results under "trace")."""
+    results under "trace"), ``targets``. A busy machine is named under the tables, as
+    the standard bench names it (``measure.machine_load``)."""
     import json
 
     from mtpmeta.bench import trace_replay
-    from mtpmeta.bench.report import note
+    from mtpmeta.bench.measure import load_now, machine_load
+    from mtpmeta.bench.report import load_lines, note
 
     geometries = trace_geometries(args.quick)
     repeats = args.repeats or (2 if args.quick else 5)
@@ -280,6 +299,7 @@ def run_trace(args: Any) -> int:
          f"against the reference on the CPU, then timed in {repeats} interleaved passes")
     out: Dict[str, Any] = {}
     checked: Dict[str, int] = {}
+    load_before = load_now()
     for name, (config, steps) in geometries.items():
         rows = rows_for(name)
         arguments = _check_arguments(rows)
@@ -293,104 +313,27 @@ def run_trace(args: Any) -> int:
                   file=sys.stderr, flush=True)
             return 1
         checked[name] = check_steps
-        print(_checked_line(name, check_steps, arguments), flush=True)
+        print(checked_line(name, check_steps, arguments), flush=True)
         note(f"{name} trace: timing {len(rows)} rows over {steps} steps")
         out[name] = measure_trace(config, steps, repeats=repeats, seed=args.seed,
                                   rows=rows,
                                   note=lambda text, name=name: note(f"{name} trace: {text}"))
         print(format_trace(name, out[name]), flush=True)
-    growth = _width_growth(out)
+    load = machine_load(load_before)
+    for line in load_lines(load, "p90 against the median",
+                           "the ops, syncs and bytes") if load else ():
+        print(line, flush=True)
+    growth = width_growth(out)
     if growth is not None:
-        print(f"capacity, {_growth_text(growth)} (near 1: the host cost follows the "
+        print(f"capacity, {growth_text(growth)} (near 1: the host cost follows the "
               f"blocks in use, not the table's width)", flush=True)
+    if getattr(args, "targets", False):
+        print(TRACE_TARGETS_NOTE)
+        for line in trace_target_lines(out, growth):
+            print(f"target: {line}", flush=True)
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"trace": out}, handle, indent=2, default=str)
+            json.dump({"trace": out, "load": load}, handle, indent=2, default=str)
         print(f"wrote {args.json}", flush=True)
     print(verdict_line(out, checked, growth), flush=True)
     return 0
-
-
-def _width_growth(out: Dict[str, Any]) -> Optional[Tuple[Dict[str, float], int, int]]:
-    """``({label: growth}, W, wide W)``: each meta row's µs on the wide production
-    table over the production one (the same traffic), when both geometries ran."""
-    if "production" not in out or "production W 8192" not in out:
-        return None
-    narrow, wide = out["production"], out["production W 8192"]
-    growth = {row["label"]: row["median_us"] / narrow["rows"][key]["median_us"]
-              for key, row in wide["rows"].items()
-              if row["device"] == "meta" and row["path"] != "reference"
-              and key in narrow["rows"]}
-    return growth, narrow["geometry"]["W"], wide["geometry"]["W"]
-
-
-def _growth_text(growth: Tuple[Dict[str, float], int, int]) -> str:
-    ratios, narrow, wide = growth
-    return (f"µs per step at W {wide} over W {narrow} on the same traffic: "
-            + ", ".join(f"{label} {ratio:.2f}x" for label, ratio in ratios.items()))
-
-
-def verdict_line(out: Dict[str, Any], checked: Dict[str, int],
-                 growth: Optional[Tuple[Dict[str, float], int, int]] = None) -> str:
-    """The run in one line: the traces checked, and per geometry the reference's µs
-    over the mirror path's, the captured loop's and the fastest row's on meta, and the
-    patched engine helpers' µs over the mirror path's (``MEGATRON_KEY``)."""
-    parts = []
-    for name, result in out.items():
-        rows = {key: row for key, row in result["rows"].items()
-                if row["device"] == "meta" and row["path"] != "reference"}
-        shown = [rows[key] for key in ("mirror @meta", "captured @meta") if key in rows]
-        best = max(rows.values(), key=lambda row: row["speedup_vs_reference"], default=None)
-        engine = rows.get(MEGATRON_KEY)  # shown below, with its µs over the mirror's
-        if best is not None and best is not engine and all(best is not r for r in shown):
-            shown.append(best)
-        part = f"{name} " + ", ".join(
-            f"{row['label']} {row['speedup_vs_reference']:.2f}x" for row in shown)
-        if engine is not None and "mirror @meta" in rows:
-            part += (f", {engine['label']} {engine['speedup_vs_reference']:.2f}x "
-                     f"({engine['median_us'] / rows['mirror @meta']['median_us']:.2f}x "
-                     f"the mirror path's µs)")
-        parts.append(part)
-    steps = ", ".join(f"{name} {count}" for name, count in checked.items())
-    capacity = "" if growth is None else f"; {_growth_text(growth)}"
-    return (f"verdict: every timed path left the reference's views and buffers on the "
-            f"checked trace steps ({steps}; CPU); the reference's host µs per step over "
-            f"each path's on meta (the host's share of a GPU step): {'; '.join(parts)}"
-            f"{capacity}")
-
-
-def _row_line(row: Dict[str, Any]) -> str:
-    calls = row["runtime_calls"]
-    events = f"{calls['total']:.1f}" if calls else "-"
-    ops = row["device_data_ops"] if row["device"] != "cpu" else row["data_ops"]
-    estimate = (f"{row['launch_estimate_us']:>8,.0f} ({row['launch_speedup_vs_reference']:.2f}x)"
-                if "launch_estimate_us" in row else f"{'-':>16}")
-    return (f"  {row['label']:<26}{row['device']:<5}{row['median_us']:>8,.0f} "
-            f"{row['p90_us']:>8,.0f} {row['speedup_vs_reference']:>6.2f}x  {estimate}"
-            f"{ops:>8.1f}{row['syncs']:>7.2f}{events:>8}")
-
-
-def format_trace(name: str, result: Dict[str, Any]) -> str:
-    """The trace table of one geometry."""
-    g, s = result["geometry"], result["shape"]
-    stock, cpp = result["micro_us_stock_meta"], result["micro_us_cpp_meta"]
-    setup = result["meta_setup"]
-    lines = [
-        f"trace, {name} geometry (R {g['R']}, W {g['W']}, BS {g['BS']}, K {g['K']}): "
-        f"{s['steps']} steps, n {s['active_min']}-{s['active_max']}, "
-        f"{s['distinct_n_padded']} distinct (n, padded), {s['distinct_commit_tokens']} "
-        f"commit token counts; {s['moves']} move, {s['swaps']} swap, {s['resets']} reset "
-        f"steps, {s['carries']} carries, {s['prefix_hits']} prefix hits",
-        f"  meta device with the C++ meta kernels: cumsum {stock['cumsum']:.0f} -> "
-        f"{cpp['cumsum']:.1f} µs, floor_divide {stock['floor_divide']:.0f} -> "
-        f"{cpp['floor_divide']:.1f} µs per call; ops served by a Python meta kernel: "
-        f"{', '.join(setup['python_used']) or 'none'}; redirected: "
-        f"{', '.join(setup['redirected_used']) or 'none'}",
-        f"  {'path':<26}{'dev':<5}{'median':>8} {'p90':>8} {'vs ref':>7}  "
-        f"{'+4µs/op est.':>16}{'ops':>8}{'syncs':>7}{'ev/str':>8}   (µs per step)"]
-    lines += [_row_line(row) for row in result["rows"].values()]
-    lines.append("  vs ref: the reference's µs over the row's, same device (and inputs); "
-                 "ops: device data ops per step (meta rows; CPU rows: all data ops); "
-                 "syncs: read-backs per step (the reference's, answered from the host on "
-                 "meta); ev/str: CUDA event and stream calls per step (mirror path)")
-    return "\n".join(lines)

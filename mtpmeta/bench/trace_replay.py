@@ -17,10 +17,14 @@ The ``megatron`` path makes the commit pass and the draft loop through an engine
 context's MTP helpers as ``mtpmeta.integrations.megatron.patch()`` installs them
 (``mtpmeta.bench.engine_context``): the trace's requests hold rows ``[0, P)``, so each
 step declares the split ``(0, P)`` and passes the context's whole ``[R, W]`` table.
+The ``upstream engine`` and ``megatron engine`` paths drive an engine context with
+Megatron's client placement (``mtpmeta.bench.engine_placement``): upstream's helpers on
+the reference, and the helpers ``patch()`` installs.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numba
@@ -28,13 +32,16 @@ import torch
 
 from mtpmeta.kernels import table_threads
 from mtpmeta.reference import ReferenceMTPMetadata
-from mtpmeta.buffers.device_runtime import TorchRuntime
+from mtpmeta.buffers.device_runtime import TorchRuntime, get_runtime, use_runtime
 from mtpmeta.bench.engine_context import EngineContext
+from mtpmeta.bench.engine_placement import EnginePlacement, PlacementRuntime, \
+    patched_engine
 from mtpmeta.bench.trace import TraceConfig, TraceStep
+from mtpmeta.bench.upstream_helpers import UpstreamEngineContext
 from mtpmeta.bench.variants import build, state_of
 
-__all__ = ["HostKnownReference", "DropIn", "PATHS", "ENGINE_PATHS", "Replay", "known_syncs",
-           "check_trace", "device_inputs"]
+__all__ = ["HostKnownReference", "DropIn", "PATHS", "ENGINE_PATHS", "PLACEMENT_PATHS", "Replay",
+           "known_syncs", "check_trace", "device_inputs"]
 
 
 class HostKnownReference(ReferenceMTPMetadata):
@@ -46,12 +53,14 @@ class HostKnownReference(ReferenceMTPMetadata):
         self.known: Optional[Iterator[int]] = None
         self.recorded: List[int] = []
         self.patched = 0
+        self.read_bytes = 0  # of the answered read-backs
 
     def _host_int(self, value: torch.Tensor) -> int:
         if self.known is None:
             self.recorded.append(super()._host_int(value))
             return self.recorded[-1]
         self.patched += 1
+        self.read_bytes += value.element_size()
         return next(self.known)
 
 
@@ -117,9 +126,14 @@ PATHS: Dict[str, Callable[[TraceConfig, torch.device], Tuple[Any, Any]]] = {
     "captured": lambda config, device: _library("mirror", config, device),
     "drop-in": _drop_in,
     "megatron": lambda config, device: _library("mirror", config, device),
+    "upstream engine": _reference,
+    "megatron engine": lambda config, device: _library("mirror", config, device),
 }
 #: Paths whose steps go through an engine context's helpers (:class:`Replay`).
 ENGINE_PATHS = ("megatron",)
+#: Paths driven with Megatron's client placement (``mtpmeta.bench.engine_placement``):
+#: upstream's helpers on the reference, and the helpers ``patch()`` installs.
+PLACEMENT_PATHS = ("upstream engine", "megatron engine")
 
 
 class Replay:
@@ -135,7 +149,10 @@ class Replay:
                  depths: bool = False, counts: bool = False, masked: bool = False,
                  table_threads: int = 1) -> None:
         self.path, self.config = path, config
-        self.meta, self.view = PATHS[path](config, device)
+        # the patched helpers' read-backs of the client's device inputs, answered
+        self.runtime = PlacementRuntime(get_runtime()) if path == "megatron engine" else None
+        with use_runtime(self.runtime) if self.runtime else contextlib.nullcontext():
+            self.meta, self.view = PATHS[path](config, device)
         self.counts = counts
         self.table_threads = table_threads  # table_threads.THREADS for its steps
         self.empty = self.meta.dummy_block_idx if masked else -1  # past the blocks
@@ -147,9 +164,24 @@ class Replay:
         self.known = known if isinstance(self.meta, HostKnownReference) else None
         self.captured = path == "captured"
         self.depths = depths or not self.captured
-        self.engine = (EngineContext(self.meta, self.view, self.table,
-                                     config.block_columns * config.block_size)
+        seqlen = config.block_columns * config.block_size
+        self.engine = (EngineContext(self.meta, self.view, self.table, seqlen)
                        if path in ENGINE_PATHS else None)
+        self.placement = None
+        if path in PLACEMENT_PATHS:
+            engine = (UpstreamEngineContext(self.meta, self.view, self.table, seqlen)
+                      if self.runtime is None else
+                      patched_engine(self.meta, self.view, self.table, seqlen, counts))
+            self.placement = EnginePlacement(engine, device, self.runtime)
+
+    def read_backs(self) -> Tuple[int, int]:
+        """``(reads, bytes)`` read back so far and answered from the host: the
+        reference's on meta, the patched helpers' of the client's device inputs."""
+        if self.runtime is not None:
+            return self.runtime.syncs, self.runtime.read_bytes
+        if isinstance(self.meta, HostKnownReference):
+            return self.meta.patched, self.meta.read_bytes
+        return 0, 0
 
     def reset(self) -> None:
         self.table.fill_(self.empty)
@@ -174,6 +206,8 @@ class Replay:
             requests = step.inherited.numel()
             self.engine.total_request_count = requests
             self.engine.request_matched_prefix_blocks[:requests] = step.inherited
+        if self.placement is not None:  # the client's inputs, placed as it places them
+            self.placement.prepare(step)
 
     def run(self, step: TraceStep) -> None:
         meta, view, table = self.meta, self.view, self.table
@@ -187,6 +221,9 @@ class Replay:
             meta.take_chunk_boundary(*step.take)
         if self.engine is not None:
             self._run_engine(step)
+            return
+        if self.placement is not None:
+            self.placement.run(step, meta, self.config.depths)
             return
         extra = {"block_counts": step.block_counts} if self.counts else {}
         meta.setup_commit_pass(view, step.append_counts, table,
@@ -232,9 +269,11 @@ class Replay:
             self.run(step)
 
 
-def known_syncs(config: TraceConfig, trace: List[TraceStep]) -> List[List[int]]:
-    """The reference's read-back values per step, from a CPU replay."""
-    replay = Replay("reference", config, torch.device("cpu"))
+def known_syncs(config: TraceConfig, trace: List[TraceStep],
+                path: str = "reference") -> List[List[int]]:
+    """The read-back values per step of ``path`` (one whose metadata is a
+    ``HostKnownReference``), from a CPU replay."""
+    replay = Replay(path, config, torch.device("cpu"))
     out = []
     replay.reset()
     for index, step in enumerate(trace):
@@ -287,7 +326,7 @@ def _device_input_replay(config: TraceConfig, trace: List[TraceStep]) -> Replay:
 
 def check_trace(config: TraceConfig, trace: List[TraceStep],
                 paths: Tuple[str, ...] = ("direct", "mirror", "captured", "drop-in",
-                                          "megatron"),
+                                          "megatron", "upstream engine", "megatron engine"),
                 counts: Tuple[str, ...] = ("direct", "mirror", "captured"),
                 device_inputs: bool = True,
                 threaded: Tuple[str, ...] = ("mirror", "captured")) -> Optional[str]:

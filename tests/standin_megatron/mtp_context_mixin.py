@@ -4,18 +4,17 @@
 of its ``MTPMetadata`` in upstream's order, each maximum read back from the device
 with ``.item()`` where upstream reads it, and ``forward_mode`` set to upstream's
 ``COMMIT`` by the prefill step. The context's active rows are
-``[paused_request_count, total_request_count)`` of its per-request arrays.
+``[paused_request_count, total_request_count)`` of its per-request arrays. The helpers
+are the trace bench's baseline (``mtpmeta.bench.upstream_helpers``), one rendering of
+upstream's sequence for both.
 """
 
 from __future__ import annotations
 
-from typing import Optional
-
-import torch
-
 from mtpmeta.bench.engine_context import EngineContext
+from mtpmeta.bench.upstream_helpers import UpstreamEngineContext
 # Bound at import, as upstream's module binds it: what patch() has to reach.
-from tests.standin_megatron.mtp_metadata import MTPForwardMode
+from tests.standin_megatron.mtp_metadata import MTPForwardMode  # noqa: F401
 
 __all__ = ["MTPContextMixin"]
 
@@ -26,73 +25,7 @@ class MTPContextMixin:
     # Upstream's activation at its smallest (the state set, nothing launched), shared
     # with the trace bench's engine context: the patch leaves this method alone.
     _mtp_activate_attn_metadata = EngineContext._mtp_activate_attn_metadata
-
-    def _mtp_begin_decode(self, active_request_count: int, padded_count: int,
-                          start_positions: torch.Tensor, graphed: bool = False) -> None:
-        """Stage the draft loop from the active rows of the context's block table."""
-        if not self.enable_mtp_kv_cache:
-            raise AssertionError("MTP KV cache is disabled")
-        active = slice(self.paused_request_count, self.total_request_count)
-        self.mtp_metadata.begin_decode(
-            active_request_count=active_request_count, padded_count=padded_count,
-            start_positions=start_positions,
-            block_table_src=self.request_to_kv_block_ids[active], graphed=graphed)
-
-    def _mtp_setup_decode_step(self) -> None:
-        """One draft depth: token maps, decode lengths, MHA metadata, then the bounds
-        (graphed: the graph metadata's capture-time max_seqlen; eager: a read-back)."""
-        meta = self.mtp_metadata
-        n, padded = meta.active_request_count, meta.padded_count
-        meta.write_token_maps(self.gpu_view, meta.row_ids[:n], meta.active_offsets,
-                              meta.active_block_table, padded)
-        query_lengths, kv_lengths = meta.stage_decode_lengths()
-        meta.write_mha_metadata(self.gpu_view, query_lengths, kv_lengths,
-                                meta.active_block_table, padded)
-        if meta.graphed:
-            bound = self.graph_attn_metadata["mha_metadata"].max_seqlen
-        else:
-            bound = int(kv_lengths.max().item()) if n > 0 else 1
-        self._mtp_activate_attn_metadata(graphed=meta.graphed, padded_request_count=padded,
-                                         max_seqlen_q=1, max_seqlen_k=bound,
-                                         token_count=n, padded_token_count=padded)
-
-    def _mtp_setup_prefill_step(self, append_counts: torch.Tensor,
-                                block_table_prefill: torch.Tensor,
-                                padded_token_count: Optional[int] = None,
-                                padded_request_count: Optional[int] = None,
-                                request_start_positions: Optional[torch.Tensor] = None,
-                                total: Optional[int] = None) -> None:
-        """The varlen commit pass: request r writes append_counts[r] positions from its
-        start (0 when None) through row r of block_table_prefill, inherited blocks
-        redirected; lengths absorb the pad; COMMIT afterwards."""
-        if not self.enable_mtp_kv_cache:
-            raise AssertionError("MTP KV cache is disabled")
-        meta, view = self.mtp_metadata, self.gpu_view
-        device = view.token_to_block_idx.device
-        requests = append_counts.numel()
-        if total is None:
-            total = int(append_counts.sum().item())
-        tokens = total if padded_token_count is None else padded_token_count
-        slots = requests if padded_request_count is None else padded_request_count
-
-        owner = torch.repeat_interleave(torch.arange(requests, device=device),
-                                        append_counts, output_size=total)
-        first_token = torch.cumsum(append_counts, 0) - append_counts
-        positions = torch.arange(total, device=device) - first_token[owner]
-        if request_start_positions is not None:
-            positions = positions + request_start_positions.to(device)[owner]
-        active = slice(self.paused_request_count, self.total_request_count)
-        inherited = self.request_matched_prefix_blocks[active][
-            :block_table_prefill.shape[0]].to(torch.long)
-        meta.write_token_maps(view, owner, positions, block_table_prefill, tokens,
-                              inherited)
-
-        lengths = meta.stage_prefill_lengths(append_counts, tokens - total)
-        staged = lengths.numel()
-        slots = max(slots, staged)
-        meta.write_mha_metadata(view, lengths, lengths, block_table_prefill, slots)
-        longest = int(lengths.max().item()) if staged > 0 else 1
-        self._mtp_activate_attn_metadata(graphed=False, padded_request_count=slots,
-                                         max_seqlen_q=longest, max_seqlen_k=longest,
-                                         token_count=total, padded_token_count=tokens)
-        meta.forward_mode = MTPForwardMode.COMMIT
+    _mtp_require_enabled = UpstreamEngineContext._mtp_require_enabled
+    _mtp_begin_decode = UpstreamEngineContext._mtp_begin_decode
+    _mtp_setup_decode_step = UpstreamEngineContext._mtp_setup_decode_step
+    _mtp_setup_prefill_step = UpstreamEngineContext._mtp_setup_prefill_step

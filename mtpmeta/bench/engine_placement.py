@@ -1,0 +1,190 @@
+"""Megatron's client placement, for the trace bench's engine-placement rows.
+
+Upstream's client (``MTPControllerMixin``) calls the context's MTP helpers every step
+with its inputs placed so:
+
+- ``_mtp_setup_prefill_step(append_counts, block_table_prefill, padded_token_count=...,
+  padded_request_count=..., request_start_positions=..., total=...)``: device int64
+  ``[A]`` counts, a fresh ``.to(device)`` copy of the context table's active rows
+  (int32 ``[A, W]``), device int64 ``[A]`` start positions, and ``total`` (the caller
+  has read it already);
+- ``_mtp_begin_decode(A, padded, start_positions, graphed=True)`` with device int64
+  start positions (``BEGIN_STARTS_ON_DEVICE``); the helper reads the context's host
+  (pinned) table ``request_to_kv_block_ids`` and its per-row host arrays;
+- the depths through ``_mtp_setup_decode_step`` and ``advance_decode_step``.
+
+:class:`EnginePlacement` builds each step's inputs that way (untimed: the client's own
+work, the same on every row) and makes the step's calls through an engine context:
+upstream's helpers on the reference (``UpstreamEngineContext``, the baseline) or the
+helpers ``patch()`` installs (``engine_context.patched_helpers``).
+
+Read-backs. Torch's ``meta`` device holds no values, so a read-back there has to be
+answered from the trace, and is counted as it is answered:
+
+- upstream's go through the reference's ``_host_int`` (``HostKnownReference``);
+- for the patched helpers, the commit inputs are :class:`DeviceHeld` tensors: device
+  tensors to the library (``PlacementRuntime.is_device``; contract §8), held in host
+  memory with the trace's values. Each read-back of one, through the runtime's
+  ``to_host`` (a blocking copy on a GPU) or any tensor method (``.item()``, ``.cpu()``,
+  ``.tolist()``, ``.numpy()``, a copy into the host), is answered with those values
+  and counted with its bytes. A read-back of a real ``meta`` tensor (the draft loop's
+  device start positions) cannot run and stops the replay, so none goes uncounted.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any, Optional
+
+import torch
+
+from mtpmeta.bench.engine_context import EngineContext, patched_helpers
+
+__all__ = ["BEGIN_STARTS_ON_DEVICE", "DeviceHeld", "PlacementRuntime", "EnginePlacement",
+           "patched_engine"]
+
+#: Whether the begin gets the client's start positions as device tensors beside the
+#: context's host table. ``begin_decode`` takes device start positions only with a
+#: device table (``mtpmeta.validation.checks.check_begin_decode``: every input of the
+#: device route on the buffers' device), so the rows give the begin host start
+#: positions, on both sides alike; True gives it the client's device ones.
+BEGIN_STARTS_ON_DEVICE = False
+
+
+#: The tensor methods that read a tensor's values into the host.
+_READS = frozenset((torch.Tensor.cpu, torch.Tensor.tolist, torch.Tensor.numpy,
+                    torch.Tensor.item, torch.Tensor.__int__, torch.Tensor.__index__,
+                    torch.Tensor.__bool__, torch.Tensor.__float__, torch.Tensor.__array__))
+
+
+def _reads_back(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether ``func(*args, **kwargs)`` reads a held device tensor into the host."""
+    if func in _READS:
+        return True
+    if func is torch.Tensor.to:
+        target = kwargs.get("device", args[1] if len(args) > 1 else None)
+        return isinstance(target, (str, torch.device)) and torch.device(target).type == "cpu"
+    if func is torch.Tensor.copy_:
+        return not isinstance(args[0], DeviceHeld) and args[0].is_cpu
+    return False
+
+
+class DeviceHeld(torch.Tensor):
+    """A device input held in host memory: what the host can only read back. Every
+    read (``.cpu()``, ``.tolist()``, ``.numpy()``, ``.item()``, ``int()``, a copy or
+    ``.to`` into the host) is counted by the class's ``runtime`` and answered with the
+    values; every other op keeps the result a held device tensor."""
+
+    runtime: "PlacementRuntime"
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not _reads_back(func, args, kwargs):
+            return super().__torch_function__(func, types, args, kwargs)
+        held = next(a for a in args if isinstance(a, DeviceHeld))
+        cls.runtime.count(held)
+        with torch._C.DisableTorchFunctionSubclass():
+            result = func(*args, **kwargs)
+            return result.as_subclass(torch.Tensor) if isinstance(result, torch.Tensor) \
+                else result
+
+
+class PlacementRuntime:
+    """A device runtime (``mtpmeta.buffers.device_runtime``) over ``inner`` that also
+    takes the tensors made by :meth:`mark` (``DeviceHeld``) as device tensors, and
+    answers and counts each read-back of one, through ``to_host`` or any tensor
+    method: ``syncs`` and ``read_bytes``."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.syncs = 0
+        self.read_bytes = 0
+        self.held = type("DeviceHeld", (DeviceHeld,), {"runtime": self})
+
+    def __getattr__(self, name: str) -> Any:  # events, streams, allocation: inner's
+        return getattr(self.inner, name)
+
+    def mark(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` as a device tensor held in host memory."""
+        return tensor.as_subclass(self.held)
+
+    def count(self, tensor: torch.Tensor) -> None:
+        """One read-back of ``tensor``: a sync, and its bytes."""
+        self.syncs += 1
+        self.read_bytes += tensor.numel() * tensor.element_size()
+
+    def is_device(self, tensor: torch.Tensor) -> bool:
+        return isinstance(tensor, DeviceHeld) or self.inner.is_device(tensor)
+
+    def is_host(self, tensor: torch.Tensor) -> bool:
+        return not self.is_device(tensor)
+
+    def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host copy of a device tensor (a blocking copy on a GPU)."""
+        if not isinstance(tensor, DeviceHeld):
+            return self.inner.to_host(tensor)
+        self.count(tensor)
+        with torch._C.DisableTorchFunctionSubclass():
+            return tensor.as_subclass(torch.Tensor).clone()
+
+
+def patched_engine(metadata: Any, gpu_view: Any, block_table: torch.Tensor,
+                   graph_max_seqlen: int, block_counts: bool) -> EngineContext:
+    """An engine context whose helpers are those ``patch()`` installs with its
+    ``block_counts`` setting."""
+    engine = EngineContext(metadata, gpu_view, block_table, graph_max_seqlen)
+    for name, helper in patched_helpers(block_counts).items():
+        setattr(engine, name, types.MethodType(helper, engine))
+    return engine
+
+
+class EnginePlacement:
+    """Drives ``engine`` with the client's placement on ``device``; ``runtime``: the
+    patched helpers' :class:`PlacementRuntime` (None for upstream's)."""
+
+    def __init__(self, engine: Any, device: torch.device,
+                 runtime: Optional[PlacementRuntime]) -> None:
+        self.engine, self.device, self.runtime = engine, device, runtime
+        self.counts = self.table = self.starts = self.draft_starts = None
+        self.total = 0
+
+    def _device(self, tensor: torch.Tensor, marked: bool) -> torch.Tensor:
+        if marked and self.runtime is not None:
+            return self.runtime.mark(tensor.clone())
+        return tensor.to(self.device)
+
+    def prepare(self, step: Any) -> None:
+        """The step's context state and client inputs (untimed)."""
+        engine = self.engine
+        requests = step.inherited.numel()
+        engine.paused_request_count, engine.total_request_count = 0, requests
+        engine.request_matched_prefix_blocks[:requests] = step.inherited
+        engine.request_kv_block_counts.copy_(step.block_counts)
+        active = engine.request_to_kv_block_ids[0:requests][:step.append_counts.numel()]
+        self.counts = self._device(step.append_counts.to(torch.int64), True)
+        self.table = self._device(active, True)
+        self.starts = self._device(step.commit_starts.to(torch.int64), True)
+        self.total = int(step.append_counts.sum())
+        starts = step.start_positions.to(torch.int64)
+        # on meta a real device tensor; on the CPU (the agreement check) a marked one
+        self.draft_starts = (self._device(starts, self.device.type == "cpu")
+                             if BEGIN_STARTS_ON_DEVICE else starts)
+
+    def run(self, step: Any, meta: Any, depths: int) -> None:
+        """The step's commit pass and graphed draft loop through the engine's helpers."""
+        engine = self.engine
+        engine._mtp_setup_prefill_step(self.counts, self.table,
+                                       padded_token_count=step.padded_tokens,
+                                       padded_request_count=step.padded_requests,
+                                       request_start_positions=self.starts,
+                                       total=self.total)
+        meta.end_forward()
+        if step.carry is not None:
+            meta.carry_chunk_boundary(*step.carry)
+        engine._mtp_begin_decode(step.active, step.padded, self.draft_starts, graphed=True)
+        for _ in range(depths):
+            engine._mtp_setup_decode_step()
+            meta.advance_decode_step()
+        meta.end_forward()
+

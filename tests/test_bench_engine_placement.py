@@ -1,0 +1,217 @@
+"""The trace bench's engine-placement rows: Megatron's client placement replayed through
+upstream's helpers and through the ones ``patch()`` installs, every read-back answered
+from the trace and counted. Counts and bytes only, never times."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import mtpmeta.bench.trace_bench as trace_bench
+from mtpmeta.bench import cli as bench_cli, trace_report
+from mtpmeta.bench.counters import DeviceOpCounter
+from mtpmeta.bench.engine_context import PATCH_TAKES_BLOCK_COUNTS
+from mtpmeta.bench.engine_placement import DeviceHeld, PlacementRuntime
+from mtpmeta.bench.meta_device import cpp_meta_kernels
+from mtpmeta.bench.trace import STANDARD_TRACE, make_trace
+from mtpmeta.bench.trace_replay import Replay, check_trace, known_syncs
+from mtpmeta.buffers.device_runtime import TorchRuntime
+
+from tests.test_bench_trace import TINY
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def trace():
+    return make_trace(STANDARD_TRACE, STEPS, seed=0)
+
+
+def _meta_counts(path, trace, known=None, wrap=None):
+    """Per step: (device data ops, syncs, bytes read back) of ``path`` on meta."""
+    replay = Replay(path, STANDARD_TRACE, torch.device("meta"), known=known)
+    if wrap is not None:
+        wrap(replay.placement.engine)
+    is_device = replay.runtime.is_device if replay.runtime is not None else None
+    out = []
+    with cpp_meta_kernels():
+        replay.reset()
+        for index, step in enumerate(trace):
+            replay.prepare(index, step)
+            reads, nbytes = replay.read_backs()
+            with DeviceOpCounter(is_device) as counter:
+                replay.run(step)
+            after, bytes_after = replay.read_backs()
+            out.append((counter.device_data_ops, counter.scalar_reads + after - reads,
+                        bytes_after - nbytes))
+    return out
+
+
+def test_every_read_back_of_a_held_device_tensor_is_counted_with_its_bytes():
+    """Each way the host can read a device tensor counts one sync and the bytes read;
+    views and device ops keep it a device tensor and read nothing."""
+    runtime = PlacementRuntime(TorchRuntime())
+    counts = runtime.mark(torch.arange(6, dtype=torch.int64))
+    reads = [lambda: counts.cpu(), lambda: counts.tolist(), lambda: counts.numpy(),
+             lambda: np.asarray(counts), lambda: counts.to("cpu"),
+             lambda: torch.empty(6, dtype=torch.int64).copy_(counts),
+             lambda: runtime.to_host(counts)]
+    for number, read in enumerate(reads, 1):
+        value = read()
+        assert not isinstance(value, DeviceHeld)
+        assert runtime.syncs == number and runtime.read_bytes == 48 * number
+    view, summed = counts[2:4], counts + 1
+    assert isinstance(view, DeviceHeld) and isinstance(summed, DeviceHeld)
+    assert runtime.is_device(view) and runtime.is_device(summed.sum())
+    assert runtime.syncs == len(reads)  # views and device ops read nothing back
+    assert int(view[0]) == 2 and view[1].item() == 3
+    assert (runtime.syncs, runtime.read_bytes) == (len(reads) + 2, 48 * len(reads) + 16)
+    assert not runtime.is_device(torch.arange(3))
+
+
+def test_the_counting_catches_a_planted_extra_read_back(trace):
+    """Negative control: the patched commit helper made to read its counts back once
+    more (a ``.tolist()``) shows one more sync and 8 B per request more per step."""
+    plain = _meta_counts("megatron engine", trace)
+
+    def plant(engine):
+        helper = engine._mtp_setup_prefill_step
+
+        def reading_more(append_counts, *args, **kwargs):
+            append_counts.tolist()
+            return helper(append_counts, *args, **kwargs)
+
+        engine._mtp_setup_prefill_step = reading_more
+
+    planted = _meta_counts("megatron engine", trace, wrap=plant)
+    for step, (ops, syncs, nbytes), (_, more_syncs, more_bytes) in zip(trace, plain,
+                                                                       planted):
+        assert more_syncs == syncs + 1
+        assert more_bytes == nbytes + 8 * step.append_counts.numel()
+
+
+def test_a_read_back_of_a_meta_tensor_stops_the_replay(trace):
+    """A read-back no one answers cannot pass uncounted: on meta it raises."""
+    def plant(engine):
+        helper = engine._mtp_begin_decode
+
+        def reading(count, padded, starts, graphed=False):
+            engine.gpu_view.token_to_block_idx[:1].item()
+            return helper(count, padded, starts, graphed)
+
+        engine._mtp_begin_decode = reading
+
+    with pytest.raises(RuntimeError, match="meta"):
+        _meta_counts("megatron engine", trace[:1], wrap=plant)
+
+
+def test_upstream_helpers_on_the_placement_sync_once_per_commit(trace):
+    """Upstream's helpers given ``total`` read back one value per commit pass (the
+    longest length, 4 B) and none in a graphed draft loop; they launch far more device
+    ops than the patched helpers on the same placement."""
+    known = known_syncs(STANDARD_TRACE, trace, "upstream engine")
+    assert all(len(values) == 1 for values in known)
+    upstream = _meta_counts("upstream engine", trace, known=known)
+    assert all((syncs, nbytes) == (1, 4) for _, syncs, nbytes in upstream)
+    patched = _meta_counts("megatron engine", trace)
+    for (ops, _, _), (upstream_ops, _, _) in zip(patched, upstream):
+        assert 0 < ops < upstream_ops
+
+
+def test_the_patched_helpers_bytes_read_back_are_what_they_read(trace):
+    """The patched commit pass reads the client's device inputs back whole: at most
+    the counts and starts (int64) and the ``[A, W]`` table (int32) per step, with one
+    sync per tensor read."""
+    for step, (_, syncs, nbytes) in zip(trace, _meta_counts("megatron engine", trace)):
+        requests = step.append_counts.numel()
+        assert syncs <= 3
+        assert nbytes <= requests * (8 + 8 + 4 * STANDARD_TRACE.block_columns)
+
+
+def test_the_engine_placement_rows_are_checked_against_the_reference(trace,
+                                                                     monkeypatch):
+    """check_trace's default paths replay both engine-placement paths; a patched
+    replay given another context table at step 2 is caught and named."""
+    assert check_trace(STANDARD_TRACE, trace[:3], counts=(), device_inputs=False,
+                       threaded=()) is None
+    prepare = Replay.prepare
+
+    def planting(self, index, step):
+        prepare(self, index, step)
+        if self.path == "megatron engine" and index == 2:
+            valid = int(step.block_counts[0])
+            self.table[0, :valid] = self.table[0, :valid].flip(0).clone()
+            self.placement.prepare(step)  # the client copies the table it has
+
+    monkeypatch.setattr(Replay, "prepare", planting)
+    message = check_trace(STANDARD_TRACE, trace[:3], paths=("megatron engine",),
+                          counts=(), device_inputs=False, threaded=())
+    assert message is not None and "megatron engine" in message, message
+
+
+def test_rows_for_the_engine_placement_take_upstreams_helpers_as_reference():
+    for name in ("standard", "production"):
+        keys = {row.key: row for row in trace_bench.rows_for(name)}
+        for key in (trace_report.ENGINE_KEY, trace_report.ENGINE_BYTE_EXACT_KEY):
+            assert keys[key].baseline_key == trace_report.ENGINE_REFERENCE_KEY
+            assert keys[key].path == "megatron engine"
+        assert not keys[trace_report.ENGINE_BYTE_EXACT_KEY].block_counts
+        assert keys[trace_report.ENGINE_KEY].block_counts == PATCH_TAKES_BLOCK_COUNTS
+
+
+def _row(label, path, us, syncs, ops, d2h=0.0):
+    return {"label": label, "path": path, "device": "meta", "median_us": us,
+            "speedup_vs_reference": 1000 / us, "syncs": syncs, "d2h_bytes": d2h,
+            "device_data_ops": ops}
+
+
+def test_verdict_and_engine_line_put_the_placement_beside_upstreams_helpers():
+    rows = {trace_report.ENGINE_REFERENCE_KEY: _row("reference, engine placement",
+                                                    "upstream engine", 1000, 1, 175, 4),
+            trace_report.ENGINE_KEY: _row("megatron, engine placement",
+                                          "megatron engine", 250, 3, 13.5, 81840),
+            trace_report.ENGINE_BYTE_EXACT_KEY: _row(
+                "megatron, engine placement, byte-exact", "megatron engine", 2000, 3, 13.5,
+                81840),
+            "reference @meta": _row("reference", "reference", 1000, 2, 170),
+            "mirror @meta": _row("mirror", "mirror", 500, 0, 13)}
+    line = " ".join(trace_report.engine_line(rows).split())
+    assert ("patch()'s helpers 3.00 syncs, 81,840 B read back, 13.5 device data ops; "
+            "byte-exact 3.00 syncs, 81,840 B read back, 13.5 device data ops; upstream's "
+            "helpers 1.00 syncs, 4 B read back, 175.0 device data ops") in line
+    verdict = trace_report.verdict_line({"standard": {"rows": rows}}, {"standard": 4})
+    assert ("standard megatron, engine placement 4.00x (3.00 syncs per step against "
+            "upstream's 1.00), mirror 2.00x") in verdict
+    targets = trace_report.trace_target_lines({"standard": {"rows": rows}})
+    assert targets[0].endswith("4.00x its reference (target >= 3.5x): met")
+    assert any("3.00 syncs and 13.5 device data ops per step against upstream's 1.00 "
+               "and 175.0" in line and line.endswith("MISSED") for line in targets)
+
+
+def test_trace_default_output_has_no_targets_and_warns_when_busy(monkeypatch, capsys):
+    """Without --targets the trace prints no goal; on a busy machine it warns as the
+    standard bench does (one route: ``measure.machine_load``, ``report.load_lines``);
+    --targets prints the trace targets."""
+    from mtpmeta.bench import measure
+
+    monkeypatch.setattr(trace_bench, "trace_geometries",
+                        lambda quick: {"standard": (TINY, 2)})
+    monkeypatch.setattr(measure, "machine_load", lambda before: {
+        "before": 3.0, "after": 3.5, "cpus": 2, "busy": True})
+    assert bench_cli.main(["--trace", "--quick", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert not re.search(r"target|MISSED|\bmet\b", out)
+    assert "WARNING: the machine is busy" in out
+    assert re.search(r"megatron, engine placement +meta", out)
+    monkeypatch.setattr(measure, "machine_load", lambda before: {
+        "before": 0.2, "after": 0.3, "cpus": 2, "busy": False})
+    assert bench_cli.main(["--trace", "--quick", "--repeats", "1", "--targets"]) == 0
+    out = capsys.readouterr().out
+    assert "WARNING" not in out
+    assert "trace targets (maintainers' performance goals" in out
+    assert any(line.startswith("target: standard: megatron, engine placement ")
+               for line in out.splitlines())
+    assert out.splitlines()[-1].startswith("verdict: ")
