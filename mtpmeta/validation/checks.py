@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any, Optional, Tuple
 
 import numpy as np
+import torch
 
 from mtpmeta.gpu_view import ViewTarget
 from mtpmeta.kernels import native
@@ -91,12 +92,21 @@ def check_begin_decode(geo: Geometry, active_request_count: Any, padded_count: A
     if not (type(count) is int and type(padded) is int and
             0 <= count <= padded <= geo.max_requests):  # else check_decode_counts' hot path
         count, padded = check_decode_counts(geo, active_request_count, padded_count)
+    host_table = None  # a host table's values beside device start positions
     if geo.mirror and (is_device_tensor(start_positions, geo.runtime)
                        or is_device_tensor(block_table_src, geo.runtime)):
         if block_counts is not None:
             refuse_device_table("block_table_src")
-        check_device_tensors(geo.device, (("start_positions", start_positions, 1),
-                                          ("block_table_src", block_table_src, 2)))
+        if is_device_tensor(block_table_src, geo.runtime):
+            check_device_tensors(geo.device, (("start_positions", start_positions, 1),
+                                              ("block_table_src", block_table_src, 2)))
+        else:  # the engine's pinned host table: its rows are checked here, on the host
+            check_device_tensors(geo.device, (("start_positions", start_positions, 1),))
+            if not isinstance(block_table_src, torch.Tensor):
+                raise ValueError(f"block_table_src: with device start positions, a "
+                                 f"tensor (on the host or on {geo.device}), got a "
+                                 f"{type(block_table_src).__name__}")
+            host_table = as_host_ints(block_table_src, "block_table_src", ndim=2)
         starts, table, on_device = start_positions, block_table_src, True
     else:
         starts = as_host_ints(start_positions, "start_positions")
@@ -111,10 +121,11 @@ def check_begin_decode(geo: Geometry, active_request_count: Any, padded_count: A
                          f"[>= {count}, max_kv_block_count {geo.max_kv_block_count}]")
     used = None if block_counts is None else as_block_counts(
         geo, block_counts, count, geo.max_kv_block_count)
+    checked = host_table if on_device else table  # None: a device table, unread
     low, high = geo.table_range  # check_rows_fit's free case inlined: every begin
-    if not on_device and not (table.dtype is _INT32 and low <= _INT32_MIN and
-                              high >= _INT32_MAX):
-        check_rows_fit(table, count, geo.table_range, "block_table_src",
+    if checked is not None and not (checked.dtype is _INT32 and low <= _INT32_MIN and
+                                    high >= _INT32_MAX):
+        check_rows_fit(checked, count, geo.table_range, "block_table_src",
                        "block_table_dtype", geo.block_table_dtype, used)
     return count, padded, starts, table, on_device, used
 
