@@ -13,7 +13,6 @@ import torch
 import mtpmeta.bench.trace_bench as trace_bench
 from mtpmeta.bench import cli as bench_cli, trace_report
 from mtpmeta.bench.counters import DeviceOpCounter
-from mtpmeta.bench.engine_context import PATCH_TAKES_BLOCK_COUNTS
 from mtpmeta.bench.engine_placement import DeviceHeld, PlacementRuntime
 from mtpmeta.bench.meta_device import cpp_meta_kernels
 from mtpmeta.bench.trace import STANDARD_TRACE, make_trace
@@ -122,13 +121,13 @@ def test_upstream_helpers_on_the_placement_sync_once_per_commit(trace):
 
 
 def test_the_patched_helpers_bytes_read_back_are_what_they_read(trace):
-    """The patched commit pass reads the client's device inputs back whole: at most
-    the counts and starts (int64) and the ``[A, W]`` table (int32) per step, with one
-    sync per tensor read."""
+    """The patched helpers read the client's device inputs back in one packed read a
+    step: the counts and starts (int64, ``16 * A`` bytes), never the ``[A, W]`` table,
+    and nothing in the graphed draft loop on device start positions."""
     for step, (_, syncs, nbytes) in zip(trace, _meta_counts("megatron engine", trace)):
         requests = step.append_counts.numel()
-        assert syncs <= 3
-        assert nbytes <= requests * (8 + 8 + 4 * STANDARD_TRACE.block_columns)
+        assert syncs == 1
+        assert nbytes == 16 * requests
 
 
 def test_the_engine_placement_rows_are_checked_against_the_reference(trace,
@@ -159,7 +158,7 @@ def test_rows_for_the_engine_placement_take_upstreams_helpers_as_reference():
             assert keys[key].baseline_key == trace_report.ENGINE_REFERENCE_KEY
             assert keys[key].path == "megatron engine"
         assert not keys[trace_report.ENGINE_BYTE_EXACT_KEY].block_counts
-        assert keys[trace_report.ENGINE_KEY].block_counts == PATCH_TAKES_BLOCK_COUNTS
+        assert keys[trace_report.ENGINE_KEY].block_counts is True
 
 
 def _row(label, path, us, syncs, ops, d2h=0.0):

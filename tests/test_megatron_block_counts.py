@@ -110,4 +110,5 @@ def test_a_second_patch_sets_block_counts_and_unpatch_restores_the_default(upstr
     megatron.patch(block_counts=False)
     assert torch.equal(commit_table(make_context(upstream, mirror=True)), expected)
     megatron.unpatch()
-    assert megatron._options["block_counts"] is True
+    megatron.patch()
+    assert not torch.equal(commit_table(make_context(upstream, mirror=True)), expected)

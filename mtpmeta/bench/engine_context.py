@@ -24,29 +24,14 @@ measures the helpers, not the engine's attention setup.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict
+from typing import Any, Dict
 
 import torch
 
 from mtpmeta.integrations.megatron import HELPERS
 from mtpmeta.metadata import MTPMetadata
 
-__all__ = ["AttentionMetadata", "EngineContext", "PATCH_TAKES_BLOCK_COUNTS",
-           "patched_helpers"]
-
-#: Whether ``patch()`` takes a ``block_counts`` setting. It does not: both of the
-#: engine-placement rows run the one set of helpers it installs, which keep upstream's
-#: bytes. This flag and :func:`patched_helpers` are the one place that follows it.
-PATCH_TAKES_BLOCK_COUNTS = False
-
-
-def patched_helpers(block_counts: bool) -> Dict[str, Callable[..., None]]:
-    """The helpers ``patch()`` installs with its ``block_counts`` setting (``False``:
-    upstream's bytes; ``True``: each row's ``request_kv_block_counts`` passed to both
-    fused calls), by upstream's name."""
-    del block_counts  # one set of helpers: PATCH_TAKES_BLOCK_COUNTS is False
-    return HELPERS
-
+__all__ = ["AttentionMetadata", "EngineContext"]
 
 class AttentionMetadata:
     """The MHA metadata object: a capture-time ``max_seqlen`` and the last state set."""

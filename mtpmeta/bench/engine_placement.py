@@ -9,14 +9,14 @@ with its inputs placed so:
   (int32 ``[A, W]``), device int64 ``[A]`` start positions, and ``total`` (the caller
   has read it already);
 - ``_mtp_begin_decode(A, padded, start_positions, graphed=True)`` with device int64
-  start positions (``BEGIN_STARTS_ON_DEVICE``); the helper reads the context's host
+  start positions; the helper reads the context's host
   (pinned) table ``request_to_kv_block_ids`` and its per-row host arrays;
 - the depths through ``_mtp_setup_decode_step`` and ``advance_decode_step``.
 
 :class:`EnginePlacement` builds each step's inputs that way (untimed: the client's own
 work, the same on every row) and makes the step's calls through an engine context:
 upstream's helpers on the reference (``UpstreamEngineContext``, the baseline) or the
-helpers ``patch()`` installs (``engine_context.patched_helpers``).
+helpers ``patch()`` installs (``megatron.helpers``).
 
 Read-backs. Torch's ``meta`` device holds no values, so a read-back there has to be
 answered from the trace, and is counted as it is answered:
@@ -38,18 +38,12 @@ from typing import Any, Optional
 
 import torch
 
-from mtpmeta.bench.engine_context import EngineContext, patched_helpers
+from mtpmeta.bench.engine_context import EngineContext
+from mtpmeta.buffers.device_runtime import use_runtime
+from mtpmeta.integrations.megatron import helpers
 
-__all__ = ["BEGIN_STARTS_ON_DEVICE", "DeviceHeld", "PlacementRuntime", "EnginePlacement",
+__all__ = ["DeviceHeld", "PlacementRuntime", "EnginePlacement",
            "patched_engine"]
-
-#: Whether the begin gets the client's start positions as device tensors beside the
-#: context's host table. ``begin_decode`` takes device start positions only with a
-#: device table (``mtpmeta.validation.checks.check_begin_decode``: every input of the
-#: device route on the buffers' device), so the rows give the begin host start
-#: positions, on both sides alike; True gives it the client's device ones.
-BEGIN_STARTS_ON_DEVICE = False
-
 
 #: The tensor methods that read a tensor's values into the host.
 _READS = frozenset((torch.Tensor.cpu, torch.Tensor.tolist, torch.Tensor.numpy,
@@ -134,7 +128,7 @@ def patched_engine(metadata: Any, gpu_view: Any, block_table: torch.Tensor,
     """An engine context whose helpers are those ``patch()`` installs with its
     ``block_counts`` setting."""
     engine = EngineContext(metadata, gpu_view, block_table, graph_max_seqlen)
-    for name, helper in patched_helpers(block_counts).items():
+    for name, helper in helpers(block_counts).items():
         setattr(engine, name, types.MethodType(helper, engine))
     return engine
 
@@ -168,11 +162,20 @@ class EnginePlacement:
         self.total = int(step.append_counts.sum())
         starts = step.start_positions.to(torch.int64)
         # on meta a real device tensor; on the CPU (the agreement check) a marked one
-        self.draft_starts = (self._device(starts, self.device.type == "cpu")
-                             if BEGIN_STARTS_ON_DEVICE else starts)
+        self.draft_starts = self._device(starts, self.device.type == "cpu")
 
     def run(self, step: Any, meta: Any, depths: int) -> None:
-        """The step's commit pass and graphed draft loop through the engine's helpers."""
+        """The step's commit pass and graphed draft loop through the engine's helpers;
+        the patched helpers see this placement's runtime, as the one the metadata was
+        allocated under (the helpers ask ``get_runtime()`` which tensors are device
+        ones)."""
+        if self.runtime is None:
+            self._run(step, meta, depths)
+            return
+        with use_runtime(self.runtime):
+            self._run(step, meta, depths)
+
+    def _run(self, step: Any, meta: Any, depths: int) -> None:
         engine = self.engine
         engine._mtp_setup_prefill_step(self.counts, self.table,
                                        padded_token_count=step.padded_tokens,

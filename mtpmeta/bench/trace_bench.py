@@ -19,7 +19,7 @@ host table; ``mtpmeta.bench.engine_placement``) through the helpers ``patch()``
 installs, against upstream's helpers on the same placement (``reference, engine
 placement``), every read-back answered from the trace and counted, with its bytes
 (``D2H B``); ``..., byte-exact`` is the same with ``patch(block_counts=False)``
-(``engine_context.patched_helpers``); ``mirror`` is the default call on a GPU,
+(``megatron.helpers``); ``mirror`` is the default call on a GPU,
 ``captured`` the opt-in captured draft loop (contract §12), ``megatron, patched
 helpers`` an engine on upstream's call sites after ``mtpmeta.integrations.megatron.
 patch()`` (the context's helpers, one fused call each), ``block counts`` the
@@ -50,7 +50,6 @@ import numpy as np
 import torch
 
 from mtpmeta.bench.counters import CountingRuntime, DeviceOpCounter
-from mtpmeta.bench.engine_context import PATCH_TAKES_BLOCK_COUNTS
 from mtpmeta.bench.meta_device import cpp_meta_kernels, meta_setup_report, micro_us
 from mtpmeta.bench.trace import PRODUCTION_TRACE, PRODUCTION_WIDE_TRACE, STANDARD_TRACE, \
     TraceConfig, TraceStep, make_trace, trace_shape_stats
@@ -104,7 +103,7 @@ ROWS = (
     TraceRow("reference, engine placement", "upstream engine",
              geometries=("standard", "production"), baseline="reference, engine placement"),
     TraceRow("megatron, engine placement", "megatron engine",
-             block_counts=PATCH_TAKES_BLOCK_COUNTS, geometries=("standard", "production"),
+             block_counts=True, geometries=("standard", "production"),
              baseline="reference, engine placement"),
     TraceRow("megatron, engine placement, byte-exact", "megatron engine",
              geometries=("standard", "production"), baseline="reference, engine placement"),

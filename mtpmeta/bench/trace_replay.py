@@ -142,11 +142,13 @@ class Replay:
 
     ``counts``: the calls pass the step's ``block_counts`` (the opt-in of contract §5);
     ``masked``: the table holds the dummy block instead of -1 past each row's blocks,
-    what a call with counts must equal (``check_trace``'s oracle for those rows)."""
+    what a call with counts must equal (``check_trace``'s oracle for those rows);
+    ``"commit"``: only the commit pass's table does, the draft loop's keeps -1 (the
+    oracle of the Megatron helpers, which pass counts to the commit pass only)."""
 
     def __init__(self, path: str, config: TraceConfig, device: torch.device,
                  table_device: str = "cpu", known: Optional[List[List[int]]] = None,
-                 depths: bool = False, counts: bool = False, masked: bool = False,
+                 depths: bool = False, counts: bool = False, masked: Any = False,
                  table_threads: int = 1) -> None:
         self.path, self.config = path, config
         # the patched helpers' read-backs of the client's device inputs, answered
@@ -154,12 +156,17 @@ class Replay:
         with use_runtime(self.runtime) if self.runtime else contextlib.nullcontext():
             self.meta, self.view = PATHS[path](config, device)
         self.counts = counts
+        # the Megatron helpers pass the context's block counts to the commit pass only
+        # (``patch()``'s default; the engine-placement rows choose by ``counts``)
+        self.commit_counts = path in ENGINE_PATHS or (path in PLACEMENT_PATHS and counts)
         self.table_threads = table_threads  # table_threads.THREADS for its steps
         self.empty = self.meta.dummy_block_idx if masked else -1  # past the blocks
         self.table = torch.full((config.max_requests, config.block_columns), self.empty,
                                 dtype=torch.int32)
-        self.draft_table = (self.table if table_device == "cpu" else
-                            self.table.to(table_device))  # begin_decode's
+        self.draft_empty = -1 if masked == "commit" else self.empty
+        self.draft_table = (self.table if table_device == "cpu" and masked != "commit"
+                            else torch.full_like(self.table, self.draft_empty,
+                                                 device=table_device))  # begin_decode's
         # per step, for a path that answers its read-backs from the host (on meta)
         self.known = known if isinstance(self.meta, HostKnownReference) else None
         self.captured = path == "captured"
@@ -186,7 +193,7 @@ class Replay:
     def reset(self) -> None:
         self.table.fill_(self.empty)
         if self.draft_table is not self.table:
-            self.draft_table.fill_(self.empty)
+            self.draft_table.fill_(self.draft_empty)
 
     def prepare(self, index: int, step: TraceStep) -> None:
         """Untimed: this step's table rows, the reference's known read-backs, and the
@@ -206,6 +213,7 @@ class Replay:
             requests = step.inherited.numel()
             self.engine.total_request_count = requests
             self.engine.request_matched_prefix_blocks[:requests] = step.inherited
+            self.engine.request_kv_block_counts.copy_(step.block_counts)
         if self.placement is not None:  # the client's inputs, placed as it places them
             self.placement.prepare(step)
 
@@ -354,6 +362,9 @@ def check_trace(config: TraceConfig, trace: List[TraceStep],
                 path, config, cpu, depths=True, counts=True, table_threads=threads)
     if device_inputs:
         replays["mirror, device inputs"] = _device_input_replay(config, trace)
+    if any(replay.commit_counts for replay in replays.values()):
+        replays["reference, commit masked"] = Replay("reference", config, cpu,
+                                                     masked="commit")
     for replay in replays.values():
         replay.reset()
     for index, step in enumerate(trace):
@@ -365,14 +376,20 @@ def check_trace(config: TraceConfig, trace: List[TraceStep],
         for path, state in states.items():
             if path.startswith("reference"):
                 continue
-            expected = states["reference, masked" if replays[path].counts
-                              else "reference"]
+            expected = states[_oracle(replays[path])]
             lengths = _captured_lengths(step) if replays[path].captured else {}
             for key, value in expected.items():
                 end = lengths.get(key, value.shape[0])
                 if not torch.equal(state[key][:end], value[:end].to(state[key].dtype)):
                     return f"trace step {index}: {path} differs from the reference in {key}"
     return None
+
+
+def _oracle(replay: Replay) -> str:
+    """The reference replay ``check_trace`` holds ``replay`` to."""
+    if replay.commit_counts:
+        return "reference, commit masked"
+    return "reference, masked" if replay.counts else "reference"
 
 
 def _captured_lengths(step: TraceStep) -> Dict[str, int]:

@@ -52,7 +52,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import sys
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mtpmeta.buffers.device_runtime import get_runtime
 from mtpmeta.errors import MTPDisabledError
@@ -62,7 +62,8 @@ from mtpmeta.types import MTPForwardMode
 from mtpmeta.validation.inputs import is_device_tensor
 from mtpmeta.validation.request_rows import leading_length
 
-__all__ = ["patch", "unpatch", "is_patched", "HELPERS", "METADATA_MODULE", "MIXIN_MODULE"]
+__all__ = ["patch", "unpatch", "is_patched", "helpers", "HELPERS", "METADATA_MODULE",
+           "MIXIN_MODULE"]
 
 #: Upstream's module that defines ``MTPMetadata`` and ``MTPForwardMode``.
 METADATA_MODULE = "megatron.core.inference.contexts.mtp_metadata"
@@ -72,8 +73,6 @@ MIXIN_MODULE = "megatron.core.inference.contexts.mtp_context_mixin"
 _MISSING = object()  # an attribute that was not in the namespace before the patch
 # What patch() replaced: (namespace owner, name, original or _MISSING), in order.
 _applied: List[Tuple[Any, str, Any]] = []
-# patch()'s options (their defaults while not patched, for HELPERS bound directly).
-_options = {"block_counts": True}
 
 
 # ------------------------------------------------------------------- the helpers
@@ -112,10 +111,9 @@ def _in_active_order(context: Any, array: Any, count: Any) -> Any:
 
 
 def _commit_block_counts(context: Any, host_table: bool) -> Any:
-    """For the commit pass: the context's host ``request_kv_block_counts`` (whole,
-    ``[R]``: the declared split takes the active rows) unless
-    ``patch(block_counts=False)``, and when the table is on the host (the device route
-    takes no counts); else None.
+    """For the commit pass with block counts: the context's host
+    ``request_kv_block_counts`` (whole, ``[R]``: the declared split takes the active
+    rows) when the table is on the host (the device route takes no counts); else None.
 
     Safe by upstream's engine: the commit pass runs after the speculative rewind and
     writes committed positions only (a decode request's accepted drafts, below
@@ -126,7 +124,7 @@ def _commit_block_counts(context: Any, host_table: bool) -> Any:
     newer engine keeps a pre-rewind table for them), which a count-limited depth
     refuses (contract §5) where upstream writes them.
     """
-    if not (_options["block_counts"] and host_table):
+    if not host_table:
         return None
     counts = getattr(context, "request_kv_block_counts", None)
     return None if is_device_tensor(counts, get_runtime()) else counts  # host ones only
@@ -195,56 +193,76 @@ def _mtp_setup_decode_step(self: Any) -> None:
     )
 
 
-def _mtp_setup_prefill_step(self: Any, append_counts: Any, block_table_prefill: Any,
-                            padded_token_count: Optional[int] = None,
-                            padded_request_count: Optional[int] = None,
-                            request_start_positions: Any = None,
-                            total: Optional[int] = None) -> None:
-    """The varlen commit pass: ``setup_commit_pass`` on ``context.gpu_view``, then
-    publish the attention metadata; leaves ``forward_mode`` at ``COMMIT``.
+def _setup_prefill_step_with(block_counts: bool) -> Callable[..., None]:
+    """The commit-pass helper, passing the context's block counts (``block_counts``)
+    or not (upstream's bytes)."""
 
-    ``append_counts`` [P] and ``block_table_prefill`` [P, W] are the P requests in
-    active-row order (an [R, W] table is the context's whole table: its active rows
-    are read, the declared split); the inherited-block redirect reads the context's
-    ``request_matched_prefix_blocks``, passed whole, at its active rows. Device counts
-    and start positions come to the host in one packed read and the table rows from
-    the context's host table (``engine_inputs``: one sync, as upstream's helper);
-    ``total`` (``append_counts.sum()``), when given, must be the counts' sum.
-    """
-    meta = _library_metadata(self, "_mtp_setup_prefill_step", enabled=True)
-    _declare_rows(self, meta)
-    append_counts, block_table_prefill, starts = commit_inputs(
-        self, append_counts, block_table_prefill,
-        _in_active_order(self, request_start_positions, append_counts), meta.max_requests)
-    check_total(total, append_counts)
-    host = not is_device_tensor(block_table_prefill, get_runtime())
-    shape = meta.setup_commit_pass(
-        self.gpu_view, append_counts, block_table_prefill,
-        start_positions=starts,
-        inherited_blocks=self.request_matched_prefix_blocks,
-        padded_token_count=padded_token_count,
-        padded_request_count=padded_request_count,
-        block_counts=_commit_block_counts(self, host))
-    max_seqlen = int(shape.max_seqlen_q)
-    if shape.request_count and not shape.padded_token_count:
-        max_seqlen = 0  # upstream's read-back of all-zero lengths (ForwardShape floors at 1)
-    self._mtp_activate_attn_metadata(
-        graphed=False,
-        padded_request_count=shape.padded_request_count,
-        max_seqlen_q=max_seqlen,
-        max_seqlen_k=max_seqlen,
-        token_count=shape.token_count,
-        padded_token_count=shape.padded_token_count,
-    )
+    def _mtp_setup_prefill_step(self: Any, append_counts: Any, block_table_prefill: Any,
+                                padded_token_count: Optional[int] = None,
+                                padded_request_count: Optional[int] = None,
+                                request_start_positions: Any = None,
+                                total: Optional[int] = None) -> None:
+        """The varlen commit pass: ``setup_commit_pass`` on ``context.gpu_view``, then
+        publish the attention metadata; leaves ``forward_mode`` at ``COMMIT``.
+
+        ``append_counts`` [P] and ``block_table_prefill`` [P, W] are the P requests in
+        active-row order (an [R, W] table is the context's whole table: its active rows
+        are read, the declared split); the inherited-block redirect reads the context's
+        ``request_matched_prefix_blocks``, passed whole, at its active rows. Device counts
+        and start positions come to the host in one packed read and the table rows from
+        the context's host table (``engine_inputs``: one sync, as upstream's helper);
+        ``total`` (``append_counts.sum()``), when given, must be the counts' sum.
+        """
+        meta = _library_metadata(self, "_mtp_setup_prefill_step", enabled=True)
+        _declare_rows(self, meta)
+        append_counts, block_table_prefill, starts = commit_inputs(
+            self, append_counts, block_table_prefill,
+            _in_active_order(self, request_start_positions, append_counts),
+            meta.max_requests)
+        check_total(total, append_counts)
+        host = not is_device_tensor(block_table_prefill, get_runtime())
+        shape = meta.setup_commit_pass(
+            self.gpu_view, append_counts, block_table_prefill,
+            start_positions=starts,
+            inherited_blocks=self.request_matched_prefix_blocks,
+            padded_token_count=padded_token_count,
+            padded_request_count=padded_request_count,
+            block_counts=_commit_block_counts(self, host) if block_counts else None)
+        max_seqlen = int(shape.max_seqlen_q)
+        if shape.request_count and not shape.padded_token_count:
+            # upstream's read-back of all-zero lengths (ForwardShape floors at 1)
+            max_seqlen = 0
+        self._mtp_activate_attn_metadata(
+            graphed=False,
+            padded_request_count=shape.padded_request_count,
+            max_seqlen_q=max_seqlen,
+            max_seqlen_k=max_seqlen,
+            token_count=shape.token_count,
+            padded_token_count=shape.padded_token_count,
+        )
+
+    return _mtp_setup_prefill_step
 
 
-#: The replacement helpers by upstream's name: what ``patch()`` sets on
-#: ``MTPContextMixin`` (the trace bench binds them to its engine context the same way).
-HELPERS = {
-    "_mtp_begin_decode": _mtp_begin_decode,
-    "_mtp_setup_decode_step": _mtp_setup_decode_step,
-    "_mtp_setup_prefill_step": _mtp_setup_prefill_step,
-}
+#: The commit-pass helper by its ``block_counts`` setting, built once.
+_SETUP_PREFILL_STEP = {flag: _setup_prefill_step_with(flag) for flag in (True, False)}
+
+
+def helpers(block_counts: bool = True) -> Dict[str, Callable[..., None]]:
+    """The replacement helpers by upstream's name, as ``patch(block_counts)`` sets them
+    on ``MTPContextMixin`` (the trace bench binds them to its engine context the same
+    way). ``block_counts`` is ``patch()``'s (its docstring)."""
+    if type(block_counts) is not bool:
+        raise TypeError(f"block_counts: {block_counts!r}, expected a bool")
+    return {
+        "_mtp_begin_decode": _mtp_begin_decode,
+        "_mtp_setup_decode_step": _mtp_setup_decode_step,
+        "_mtp_setup_prefill_step": _SETUP_PREFILL_STEP[block_counts],
+    }
+
+
+#: ``helpers()`` with ``patch()``'s default.
+HELPERS = helpers()
 
 
 # ------------------------------------------------------------------ patch / unpatch
@@ -295,10 +313,11 @@ def patch(block_counts: bool = True) -> None:
     ``block_counts=False`` keeps every byte upstream's. The draft loop takes no counts
     (``_commit_block_counts`` says why).
     """
-    if type(block_counts) is not bool:
-        raise TypeError(f"block_counts: {block_counts!r}, expected a bool")
-    if _applied:  # already patched: only the option changes
-        _options["block_counts"] = block_counts
+    installed = helpers(block_counts)
+    if _applied:  # already patched: only the commit-pass helper changes
+        mixin = next(owner for owner, name, _ in _applied
+                     if name == "_mtp_setup_prefill_step")
+        setattr(mixin, "_mtp_setup_prefill_step", installed["_mtp_setup_prefill_step"])
         return
     metadata_module = _upstream(METADATA_MODULE)
     mixin_module = _upstream(MIXIN_MODULE)
@@ -316,16 +335,14 @@ def patch(block_counts: bool = True) -> None:
         for name, original in originals.items():
             if vars(module).get(name, _MISSING) is original:
                 _replace(module, name, ours[name])
-    for name, helper in HELPERS.items():
+    for name, helper in installed.items():
         _replace(mixin, name, helper)
-    _options["block_counts"] = block_counts
 
 
 def unpatch() -> None:
     """Restore every original ``patch()`` replaced, object for object (a no-op when
     not patched). A context built while patched keeps this library's ``MTPMetadata``:
     build it again after ``unpatch()``."""
-    _options["block_counts"] = True
     while _applied:
         owner, name, original = _applied.pop()
         if original is _MISSING:
