@@ -81,9 +81,8 @@ class MTPMetadata:
         last_forward: ``ForwardRecord`` of the last view-writing call, read by
             ``check_invariants`` (None before any).
         draft_annotation_offset: int in ``[0, R]``, default 0: the paused rows in front
-            (draft row ``i`` is annotation row ``offset + i``; ``set_request_rows`` sets
-            it); while non-zero with no split declared, the whole annotation buffer as
-            ``inherited_blocks`` is refused.
+            (draft row ``i`` is annotation row ``offset + i``); ``set_request_rows``
+            sets it, and while its split lives only that value is accepted.
         request_matched_prefix_blocks, offsets, block_table, query_lengths,
             kv_lengths, row_ids, chunk_boundary_hidden: the persistent buffers
             (read-only properties, None before ``allocate``).
@@ -91,9 +90,7 @@ class MTPMetadata:
             chunk carry's state.
         mirror, device: the path and device ``allocate`` chose (None before it).
 
-    Indices: what the row-lifecycle methods take as row indices: a slice, an int, a
-    sequence of ints, a 1-D integer numpy array or tensor (a device tensor is read
-    back, one sync) or a boolean mask of length ``max_requests``; ints in ``[-R, R)``.
+    Indices: the row-lifecycle methods' row indices (the module's ``Indices``).
     """
 
     def __init__(self, enabled: bool, max_requests: int, max_kv_block_count: int,
@@ -285,8 +282,7 @@ class MTPMetadata:
         self._backend = None if allocation is None else allocation.backend
         for group in (self._rows, self._carry, self._draft, self._commit, self._writers):
             group.install(allocation)
-        self._state.mode = _NONE
-        self._state.last_forward = None
+        self._state.install()  # NONE, no record; a live row split ends
         if allocation is not None:  # initialised before any stream's use
             allocation.backend.lifecycle.born()
 
@@ -381,20 +377,23 @@ class MTPMetadata:
                                          block_table, padded_request_count)
 
     # ----------------------------------------------------------------- debugging
-    def check_invariants(self, gpu_view: Any = None) -> None:
+    def check_invariants(self, gpu_view: Any = None, *,
+                         request_rows: Optional[Tuple[int, int]] = None,
+                         block_table: Any = None) -> None:
         """Check this object's invariants and those of the last forward's destination
-        view.
-
-        Raises ``InvariantError`` (an ``AssertionError``, raised explicitly so it holds
-        under ``python -O``) naming the broken invariant and the offending row, token or
-        slot. ``gpu_view`` defaults to the view of ``last_forward`` (anything but a
-        destination view is a ``ValueError``). A debug tool: it
-        reads the buffers and the view back (a sync on CUDA). The list is in
-        ``mtpmeta.debug.invariants``.
-        """
+        view; raises ``InvariantError`` (an ``AssertionError``, raised explicitly so it
+        holds under ``python -O``) naming the broken invariant and the offending row,
+        token or slot. ``gpu_view`` defaults to the view of ``last_forward`` (anything
+        but a destination view is a ``ValueError``). ``request_rows=(paused, total)``:
+        the scheduler's row split of the last forward, whose request ``i`` is context
+        row ``paused + i``; with ``block_table``, the context's whole ``[R, W]`` table,
+        every real token must write its context row's block (or the dummy block). A
+        debug tool: it reads the buffers and the view back (a sync on CUDA). The list
+        is in ``mtpmeta.debug.invariants``."""
         from mtpmeta.debug.invariants import check_invariants
 
-        check_invariants(self, gpu_view)
+        check_invariants(self, gpu_view, request_rows=request_rows,
+                         block_table=block_table)
 
 
 install_debug_checks_from_env(MTPMetadata)  # MTPMETA_DEBUG=1 wraps the public methods

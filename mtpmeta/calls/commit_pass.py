@@ -16,7 +16,7 @@ from torch import Tensor
 from mtpmeta.calls.allocation import Allocation
 from mtpmeta.calls.state import CallState, raise_unavailable
 from mtpmeta.types import ForwardRecord, ForwardShape, MTPForwardMode
-from mtpmeta.validation.request_rows import leading_length
+from mtpmeta.validation.request_rows import leading_length, raise_split_ended
 from mtpmeta.validation.bounds import refuse_whole_annotations
 from mtpmeta.validation.checks import (check_commit_inputs, check_prefill_lengths,
                                        raise_commit_block)
@@ -119,11 +119,13 @@ class CommitPass:
         if backend is None:
             raise_unavailable(self._state, "setup_commit_pass")
         state = self._state
-        if state.split is not None:  # whole context arrays give their active rows
-            block_table, start_positions, inherited_blocks, block_counts = \
-                state.split.active(leading_length(append_counts), "append_counts",
-                                   block_table, start_positions, inherited_blocks,
-                                   block_counts)
+        split = state.split
+        if split is not None or state.split_ended:  # the step's split (request_rows)
+            if split is None or split.committed:
+                raise_split_ended("setup_commit_pass")
+            block_table, start_positions, inherited_blocks, block_counts = split.active(
+                leading_length(append_counts), "append_counts", block_table,
+                start_positions, inherited_blocks, block_counts)
         if state.annotation_offset and inherited_blocks is not None:
             refuse_whole_annotations("setup_commit_pass", inherited_blocks,
                                      self._annotations, state.annotation_offset)
@@ -141,9 +143,11 @@ class CommitPass:
                                counts, starts, table, inherited)
         state.mode = _COMMIT
         total = int(total)
-        state.last_forward = ForwardRecord("commit", gpu_view, total, padded_tokens,
-                                           staged, padded_requests,
-                                           self._inherited.copy(inherited))
+        record = state.last_forward = ForwardRecord(
+            "commit", gpu_view, total, padded_tokens, staged, padded_requests,
+            self._inherited.copy(inherited), None, None if split is None else split.paused)
+        if split is not None:
+            split.committed = True
         max_len = int(max_len) if max_len > 1 else 1  # upstream floors an empty one at 1
         fields = (total, padded_tokens, staged, padded_requests, max_len, max_len)
         shape = self._shapes.get(fields)

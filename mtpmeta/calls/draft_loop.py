@@ -25,6 +25,7 @@ from mtpmeta.validation.checks import (check_begin_decode, check_decode_counts,
                                        check_decode_view, check_draft_blocks,
                                        raise_draft_block, raise_position_error)
 from mtpmeta.validation.inputs import check_flag
+from mtpmeta.validation.request_rows import raise_split_ended
 
 __all__ = ["DraftLoop"]
 
@@ -129,6 +130,8 @@ class DraftLoop:
             start_positions, block_table_src, block_counts = split.active(
                 active_request_count, "active_request_count", start_positions,
                 block_table_src, block_counts)
+        elif self._state.split_ended:
+            raise_split_ended("begin_decode")
         if type(graphed) is not bool:
             graphed = check_flag(graphed, "graphed")
         geometry = self._geometry
@@ -139,6 +142,7 @@ class DraftLoop:
         after = state.last_forward  # for check_invariants: the forward before the loop
         if capture_setup:
             self.captured.begin(count, padded, starts, table, on_device, used)
+            state.end_split()  # the step's split ends with its draft loop's begin
             self._enter(count, padded, True)
             self.capture_setup = self.offsets_stale = True  # a replay runs no host code
             self.unchecked_table = None
@@ -154,6 +158,7 @@ class DraftLoop:
             if not backend.begin_decode(count, starts, table, used):  # bad start: no write
                 raise_position_error(geometry, "start_positions", starts, count)
             self.unchecked_table = None
+        state.end_split()  # the step's split ends with its draft loop's begin
         views = self._active.get(count)  # _enter, inlined: every step begins a loop
         if views is None:  # views of the fixed buffers, built once per count
             views = self._memo.add_active(count)
