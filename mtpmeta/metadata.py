@@ -191,10 +191,9 @@ class MTPMetadata:
     request_matched_prefix_blocks = buffer_property(
         "request_matched_prefix_blocks",
         "[R] int32 host: leading KV blocks each row inherited from the prefix cache. "
-        "None before allocate() and after deallocate() (contract §1), so an in-place "
-        "write then fails on None (a TypeError): call allocate(device) first, then "
-        "write the annotations again (allocate zeroes them); the row methods "
-        "(reset/move/swap_request_rows) raise NotAllocatedError saying so.")
+        "None before allocate() and after deallocate() (contract §1): call "
+        "allocate(device) first, then write the annotations again (allocate zeroes "
+        "them, keeping the tensor, so a reference kept across stays the live one).")
     offsets = buffer_property("offsets",
                               "[R] int32 device: draft write position per request.")
     block_table = buffer_property(
@@ -263,7 +262,7 @@ class MTPMetadata:
             block_size_tokens=self.block_size_tokens, dummy_block_idx=self.dummy_block_idx,
             block_table_dtype=self.block_table_dtype, hidden_size=self.hidden_size,
             hidden_dtype=self.hidden_dtype, device=device, mirror=mirror,
-            max_tokens=max_tokens, staging_slots=staging_slots))
+            max_tokens=max_tokens, staging_slots=staging_slots, kept=self._rows.kept))
 
     def deallocate(self) -> None:
         """Release every buffer, mirroring ``allocate`` (the suspend path). A CUDA graph

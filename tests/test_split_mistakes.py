@@ -220,3 +220,80 @@ def test_the_offset_without_a_split_keeps_upstreams_reading(path):
     meta.draft_annotation_offset = PAUSED
     meta.begin_decode(N, N, torch.tensor([2, 2], dtype=torch.int32), table, False)
     assert torch.equal(meta.block_table[:N], table[:N])
+
+
+# ------------------------------------------------ (e) prefix hits protected by default
+def _hit(meta) -> None:
+    """B (row 2) inherited its first block: positions 0..3 lie in shared block 20."""
+    meta.request_matched_prefix_blocks[TOTAL - 1] = 1
+
+
+def test_a_forgotten_inherited_blocks_is_the_annotations_with_a_split(path):
+    meta, ref = _meta(path), make_reference()
+    _hit(meta)
+    table = _table()
+    counts, starts = (torch.tensor(x, dtype=torch.int32) for x in ([2, 3], [0, 2]))
+    view, ref_view = make_view("context", R, 16, W), make_view("reference", R, 16, W)
+    meta.set_request_rows(PAUSED, TOTAL)
+    got = meta.setup_commit_pass(view, counts, table, start_positions=starts,
+                                 padded_token_count=8)
+    want = ref.setup_commit_pass(ref_view, counts, table[PAUSED:TOTAL],
+                                 start_positions=starts,
+                                 inherited_blocks=torch.tensor([0, 1], dtype=torch.int32),
+                                 padded_token_count=8)
+    assert got == want
+    assert _written(view, 5) == _written(ref_view, 5) == [10, 10, D, D, 21]
+    meta.check_invariants(request_rows=(PAUSED, TOTAL), block_table=table)
+
+
+def test_an_annotations_reference_kept_across_reallocation_stays_live(path):
+    meta = _meta(path)
+    kept = meta.request_matched_prefix_blocks
+    meta.deallocate()
+    meta.allocate("cpu", mirror=(path == "mirror"))
+    assert meta.request_matched_prefix_blocks is kept
+    kept[TOTAL - 1] = 1  # the prefix hit, written through the kept reference
+    view = make_view("context", R, 16, W)
+    meta.set_request_rows(PAUSED, TOTAL)
+    meta.setup_commit_pass(view, torch.tensor([2, 3], dtype=torch.int32), _table(),
+                           start_positions=torch.tensor([0, 2], dtype=torch.int32))
+    assert _written(view, 5) == [10, 10, D, D, 21]
+
+
+def test_reallocation_zeroes_the_kept_annotations(path):
+    meta = _meta(path)
+    kept = meta.request_matched_prefix_blocks
+    kept.fill_(2)
+    meta.deallocate()
+    assert meta.request_matched_prefix_blocks is None
+    meta.allocate("cpu", mirror=(path == "mirror"))
+    assert kept.tolist() == [0] * R
+
+
+def test_the_check_cross_checks_an_explicit_redirect_against_the_annotations(path):
+    """With a split, ``inherited_blocks`` given explicitly but lower than the
+    annotations say: the shared block is rewritten, and the check names it."""
+    meta = _meta(path)
+    _hit(meta)
+    view = make_view("context", R, 16, W)
+    meta.set_request_rows(PAUSED, TOTAL)
+    meta.setup_commit_pass(view, torch.tensor([2, 3], dtype=torch.int32), _table(),
+                           start_positions=torch.tensor([0, 2], dtype=torch.int32),
+                           inherited_blocks=torch.zeros(N, dtype=torch.int32))
+    assert 20 in _written(view, 5)
+    with pytest.raises(InvariantError, match="prefix redirect"):
+        meta.check_invariants()
+
+
+def test_a_forgotten_redirect_without_a_split_is_caught_when_told(path):
+    """No split: upstream's ``inherited_blocks=None`` redirects nothing; told the split,
+    the check reads the annotations of the active rows and names the shared block."""
+    meta = _meta(path)
+    _hit(meta)
+    view = make_view("context", R, 16, W)
+    meta.setup_commit_pass(view, torch.tensor([2, 3], dtype=torch.int32),
+                           _table()[PAUSED:TOTAL],
+                           start_positions=torch.tensor([0, 2], dtype=torch.int32))
+    meta.check_invariants()
+    with pytest.raises(InvariantError, match="prefix redirect"):
+        meta.check_invariants(request_rows=(PAUSED, TOTAL))

@@ -31,13 +31,13 @@ class CommitPass:
 
     Binds the allocation's backend, ``Geometry``, ``ForwardMemo`` (and its ``shapes``),
     ``InheritedCopies`` and the ``[R]`` int32 ``request_matched_prefix_blocks`` (to
-    refuse it whole while ``draft_annotation_offset`` is non-zero); all None without an
-    allocation. Invariant: a refused pass leaves the view, the buffers and
+    refuse it whole while ``draft_annotation_offset`` is non-zero; ``_rows``, its numpy
+    view, is a split's default redirect); all None without an allocation. Invariant: a refused pass leaves the view, the buffers and
     ``forward_mode`` as they were.
     """
 
     __slots__ = ("_state", "_backend", "_geometry", "_memo", "_shapes", "_inherited",
-                 "_annotations")
+                 "_annotations", "_rows")
 
     def __init__(self, state: CallState) -> None:
         self._state = state
@@ -47,7 +47,7 @@ class CommitPass:
         """Bind ``allocation`` (None: no buffers)."""
         if allocation is None:
             self._backend = self._geometry = self._memo = self._shapes = None
-            self._inherited = self._annotations = None
+            self._inherited = self._annotations = self._rows = None
             return
         self._backend = allocation.backend
         self._geometry = allocation.geometry
@@ -55,6 +55,7 @@ class CommitPass:
         self._shapes = allocation.memo.shapes
         self._inherited = allocation.inherited
         self._annotations = allocation.buffers.request_matched_prefix_blocks
+        self._rows = allocation.buffers.annotations  # its numpy view
 
     def stage_prefill_lengths(self, append_counts: Any, pad_tokens: Any) -> Tensor:
         """Stage a varlen commit pass's lengths, absorbing ``pad_tokens`` TP pad rows.
@@ -96,11 +97,14 @@ class CommitPass:
         each: ``append_counts``, ``block_table``, ``start_positions`` and
         ``inherited_blocks`` (their values decide the staging and the returned shape).
         Keep them on the host to keep the commit pass free of syncs.
-        ``inherited_blocks`` is per commit-pass request: the ACTIVE slice of the
-        annotations (``request_matched_prefix_blocks[paused:total]``), never the whole
-        array, which with paused rows redirects the wrong requests (refused, a
-        ``ValueError``, when ``draft_annotation_offset`` is non-zero); its counts lie in
-        ``[0, max_kv_block_count]`` and are copied for ``check_invariants`` at the call.
+        ``inherited_blocks`` is per commit-pass request (entry ``i``: request ``i``'s
+        count, in ``[0, max_kv_block_count]``, copied for ``check_invariants`` at the
+        call). With a split declared (``set_request_rows``) it defaults to the
+        annotation rows ``[paused, paused + P)``, and the whole annotations give those
+        rows too. Without one, upstream's: None redirects nothing and an array is read
+        from entry 0, so pass the active slice ``request_matched_prefix_blocks[paused:
+        total]`` (the whole buffer while ``draft_annotation_offset`` is non-zero is
+        refused, a ``ValueError``).
         Block ids: the rows ``block_table[:P]`` must fit ``gpu_view.mha_block_table``,
         and every block a token writes (not redirected) must be ``>= 0`` and fit
         ``gpu_view.token_to_block_idx``; refused before anything is written.
@@ -123,9 +127,12 @@ class CommitPass:
         if split is not None or state.split_ended:  # the step's split (request_rows)
             if split is None or split.committed:
                 raise_split_ended("setup_commit_pass")
+            count = leading_length(append_counts)
             block_table, start_positions, inherited_blocks, block_counts = split.active(
-                leading_length(append_counts), "append_counts", block_table,
-                start_positions, inherited_blocks, block_counts)
+                count, "append_counts", block_table, start_positions, inherited_blocks,
+                block_counts)
+            if inherited_blocks is None and count is not None:  # prefix hits protected
+                inherited_blocks = self._rows[split.paused:split.paused + count]
         if state.annotation_offset and inherited_blocks is not None:
             refuse_whole_annotations("setup_commit_pass", inherited_blocks,
                                      self._annotations, state.annotation_offset)

@@ -9,7 +9,7 @@ leaves the annotations as they were.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import numpy as np
 
@@ -37,17 +37,22 @@ class RowLifecycle:
     source row is read before any destination row is written.
     """
 
-    __slots__ = ("_state", "_annotations", "_scratch", "_geometry")
+    __slots__ = ("_state", "_annotations", "_scratch", "_geometry", "kept")
 
     def __init__(self, state: CallState) -> None:
         self._state = state
+        self.kept: Optional[Tuple[Any, Any]] = None
         self.install(None)
 
     def install(self, allocation: Optional[Allocation]) -> None:
-        """Bind the rows of ``allocation`` (None: no buffers)."""
+        """Bind the rows of ``allocation`` (None: no buffers). ``kept``: the
+        annotation tensor of the last allocation and its device runtime, which the
+        next allocation takes over (``Allocation.create``)."""
         if allocation is None:
             self._annotations = self._scratch = self._geometry = None
         else:
+            self.kept = (allocation.buffers.request_matched_prefix_blocks,
+                         allocation.geometry.runtime)
             self._annotations = allocation.buffers.annotations
             self._scratch = allocation.buffers.row_scratch
             self._geometry: Optional[Geometry] = allocation.geometry
