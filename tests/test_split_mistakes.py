@@ -297,3 +297,110 @@ def test_a_forgotten_redirect_without_a_split_is_caught_when_told(path):
     meta.check_invariants()
     with pytest.raises(InvariantError, match="prefix redirect"):
         meta.check_invariants(request_rows=(PAUSED, TOTAL))
+
+
+# --------------------------------------------- (f) a repeated destination of a move
+@pytest.mark.parametrize("src, dst", [([1, 2], [3, 3]), ([4, 5], [-1, R - 1]),
+                                      (np.array([1, 2]), torch.tensor([0, 0]))])
+def test_a_move_into_one_row_twice_is_refused_and_changes_nothing(path, src, dst):
+    meta = _meta(path)
+    meta.request_matched_prefix_blocks.copy_(torch.arange(R, dtype=torch.int32))
+    before = meta.request_matched_prefix_blocks.clone()
+    with pytest.raises(ValueError, match="dst_idxs repeats row"):
+        meta.move_request_rows(src, dst)
+    assert torch.equal(meta.request_matched_prefix_blocks, before)
+
+
+def test_a_move_from_one_row_into_two_is_a_copy(path):
+    meta = _meta(path)
+    meta.request_matched_prefix_blocks.copy_(torch.arange(R, dtype=torch.int32))
+    meta.move_request_rows([1, 1], [4, 5])
+    assert meta.request_matched_prefix_blocks.tolist() == [0, 1, 2, 3, 1, 1, 6, 7]
+
+
+# ------------------------------------- (g) an inherited count over an unallocated column
+@pytest.mark.parametrize("split", [False, True])
+def test_an_inherited_count_over_an_unallocated_column_is_refused(path, split):
+    """B's row holds 2 blocks; a count of 3 covers column 2, which is -1: the count is
+    wrong, and B's own KV there would go to the dummy block."""
+    meta = _meta(path)
+    table = _table()
+    table[TOTAL - 1, 2:] = -1
+    view = make_view("context", R, 16, W)
+    before = _state(meta, view)
+    inherited = torch.tensor([0, 3], dtype=torch.int32)
+    if split:
+        meta.set_request_rows(PAUSED, TOTAL)
+        meta.request_matched_prefix_blocks[TOTAL - 1] = 3
+        before = _state(meta, view)
+        inherited, table_arg = None, table
+    else:
+        table_arg = table[PAUSED:TOTAL]
+    with pytest.raises(ValueError, match=r"inherited_blocks: request 1 inherits 3 "
+                                         r"blocks, but block_table\[1, 2\] is -1"):
+        meta.setup_commit_pass(view, torch.tensor([2, 2], dtype=torch.int32), table_arg,
+                               start_positions=torch.tensor([0, 8], dtype=torch.int32),
+                               inherited_blocks=inherited)
+    _assert_unchanged(meta, view, before)
+
+
+def test_an_inherited_count_within_the_allocated_columns_passes(path):
+    meta = _meta(path)
+    table = _table()[PAUSED:TOTAL].clone()
+    table[1, 2:] = -1
+    view = make_view("context", R, 16, W)
+    meta.setup_commit_pass(view, torch.tensor([2, 2], dtype=torch.int32), table,
+                           start_positions=torch.tensor([0, 6], dtype=torch.int32),
+                           inherited_blocks=torch.tensor([0, 2], dtype=torch.int32))
+    assert _written(view, 4) == [10, 10, D, D]
+
+
+# ------------------------------------------- (h) a draft start in a protected place
+def test_a_draft_start_inside_an_inherited_block_is_refused(path):
+    meta = _meta(path)
+    _hit(meta)
+    table = _table()
+    view = make_view("context", R, 16, W)
+    meta.set_request_rows(PAUSED, TOTAL)
+    before = _state(meta, view)
+    with pytest.raises(ValueError, match=r"draft row 1 \(context row 2\) starts at 3, "
+                                         r"inside its 1 inherited blocks"):
+        meta.begin_decode(N, N, torch.tensor([5, 3], dtype=torch.int32), table, False)
+    _assert_unchanged(meta, view, before)
+    assert meta.draft_annotation_offset == PAUSED
+    meta.begin_decode(N, N, torch.tensor([5, 4], dtype=torch.int32), table, False)
+
+
+def test_a_draft_start_inside_the_span_just_committed_is_refused(path):
+    """B committed positions 4..6; a draft from 5 would overwrite position 5 (the
+    per-row start array shifted by the paused row is the usual way to get there)."""
+    meta = _meta(path)
+    table = _table()
+    view = make_view("context", R, 16, W)
+    meta.set_request_rows(PAUSED, TOTAL)
+    meta.setup_commit_pass(view, torch.tensor([2, 3], dtype=torch.int32), table,
+                           start_positions=torch.tensor([0, 4], dtype=torch.int32))
+    meta.end_forward()
+    before = _state(meta, view)
+    with pytest.raises(ValueError, match=r"draft row 1 \(context row 2\) starts at 5, "
+                                         r"inside positions 4\.\.6"):
+        meta.begin_decode(N, N, torch.tensor([2, 5], dtype=torch.int32), table, False)
+    _assert_unchanged(meta, view, before)
+    meta.begin_decode(N, N, torch.tensor([2, 7], dtype=torch.int32), table, False)
+    meta.setup_decode_step(view)
+    meta.check_invariants()
+
+
+def test_a_draft_after_other_writes_is_not_held_to_an_earlier_pass(path):
+    """Only the commit pass right before the begin (and on the rows as they were)
+    binds its starts: after a row move the spans name other requests."""
+    meta = _meta(path)
+    table = _table()
+    view = make_view("context", R, 16, W)
+    meta.set_request_rows(PAUSED, TOTAL)
+    meta.setup_commit_pass(view, torch.tensor([2, 3], dtype=torch.int32), table,
+                           start_positions=torch.tensor([0, 4], dtype=torch.int32))
+    meta.move_request_rows([2], [1])
+    meta.reset_request_rows([2])
+    meta.set_request_rows(PAUSED, TOTAL - 1)
+    meta.begin_decode(1, 1, torch.tensor([1], dtype=torch.int32), table, False)

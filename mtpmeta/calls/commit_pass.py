@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import numpy as np
+
 from torch import Tensor
 
 from mtpmeta.calls.allocation import Allocation
@@ -18,10 +20,13 @@ from mtpmeta.calls.state import CallState, raise_unavailable
 from mtpmeta.types import ForwardRecord, ForwardShape, MTPForwardMode
 from mtpmeta.validation.request_rows import leading_length, raise_split_ended
 from mtpmeta.validation.bounds import refuse_whole_annotations
+from mtpmeta.kernels import native
 from mtpmeta.validation.checks import (check_commit_inputs, check_prefill_lengths,
-                                       raise_commit_block)
+                                       raise_commit_block, refuse_unallocated_inherited)
 
 __all__ = ["CommitPass"]
+
+_record_spans = native.checks.record_commit_spans
 
 _COMMIT = MTPForwardMode.COMMIT
 
@@ -37,7 +42,7 @@ class CommitPass:
     """
 
     __slots__ = ("_state", "_backend", "_geometry", "_memo", "_shapes", "_inherited",
-                 "_annotations", "_rows")
+                 "_annotations", "_rows", "_spans")
 
     def __init__(self, state: CallState) -> None:
         self._state = state
@@ -47,7 +52,7 @@ class CommitPass:
         """Bind ``allocation`` (None: no buffers)."""
         if allocation is None:
             self._backend = self._geometry = self._memo = self._shapes = None
-            self._inherited = self._annotations = self._rows = None
+            self._inherited = self._annotations = self._rows = self._spans = None
             return
         self._backend = allocation.backend
         self._geometry = allocation.geometry
@@ -56,6 +61,7 @@ class CommitPass:
         self._inherited = allocation.inherited
         self._annotations = allocation.buffers.request_matched_prefix_blocks
         self._rows = allocation.buffers.annotations  # its numpy view
+        self._spans = np.zeros((2, allocation.geometry.max_requests), dtype=np.int64)
 
     def stage_prefill_lengths(self, append_counts: Any, pad_tokens: Any) -> Tensor:
         """Stage a varlen commit pass's lengths, absorbing ``pad_tokens`` TP pad rows.
@@ -142,6 +148,8 @@ class CommitPass:
          padded_requests, used) = check_commit_inputs(
             geometry, target, append_counts, block_table, start_positions,
             inherited_blocks, padded_token_count, padded_request_count, block_counts)
+        if inherited is not None:  # before any write, as the kernel's own scan
+            refuse_unallocated_inherited(table, inherited, counts, used)
         refused, staged, padded_requests, max_len = backend.commit_pass(
             target, counts, starts, table, inherited, padded_tokens, pad, min_padded,
             padded_requests, used)
@@ -153,8 +161,11 @@ class CommitPass:
         record = state.last_forward = ForwardRecord(
             "commit", gpu_view, total, padded_tokens, staged, padded_requests,
             self._inherited.copy(inherited), None, None if split is None else split.paused)
-        if split is not None:
+        if split is not None:  # the spans a draft start must lie past (draft_loop)
             split.committed = True
+            _record_spans(counts, counts if starts is None else starts,
+                          starts is not None, split.paused, self._spans)
+            state.committed = (record, self._spans)
         max_len = int(max_len) if max_len > 1 else 1  # upstream floors an empty one at 1
         fields = (total, padded_tokens, staged, padded_requests, max_len, max_len)
         shape = self._shapes.get(fields)

@@ -80,13 +80,17 @@ class RowLifecycle:
 
     def move(self, src_idxs: Any, dst_idxs: Any) -> None:
         """``x[dst] = x[src]``: every source is read before any destination is written,
-        so overlapping ranges are safe; sources keep their values. No-op when disabled."""
+        so overlapping ranges are safe; sources keep their values. A row named twice in
+        ``dst_idxs`` is refused (``ValueError``, nothing changed). No-op when disabled."""
         if not self._state.enabled:
             return
         annotations = self._annotations
         if annotations is None:
             raise_unavailable(self._state, "move_request_rows")
         src, dst = check_row_pair(self._geometry, "move_request_rows", src_idxs, dst_idxs)
+        # two sources into one row would keep one of them: the other annotation is lost
+        refuse_repeated_rows("move_request_rows", dst, self._geometry.max_requests,
+                             "dst_idxs")
         scratch = self._scratch
         if len(src) > len(scratch):
             scratch = np.empty(len(src), dtype=np.int32)
