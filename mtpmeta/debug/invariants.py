@@ -45,8 +45,13 @@ The invariants, in the order they are checked:
   writes past what the pass committed. The pass's slots are read at its first
   check, so this needs a check after the commit pass (``MTPMETA_DEBUG=1`` makes one).
 
+- ``prefix redirect`` and ``context rows`` (commit passes and draft depths whose row
+  split is known: a split-served commit pass, or ``request_rows=(paused, total)``,
+  with ``block_table`` for the second): ``split_checks.py``.
+
 The first three (and the device-table part of ``block ids``) check the object and
-are here; the view checks, from ``padded token rows`` on, are ``view_checks.py``.
+are here; the view checks, from ``padded token rows`` on, are ``view_checks.py``, the
+split's two ``split_checks.py``.
 
 ``install_debug_checks(cls)`` wraps the public methods so each call is followed by a
 check; ``mtpmeta.metadata`` calls it at import when ``MTPMETA_DEBUG=1``.
