@@ -277,9 +277,17 @@ def test_the_check_cross_checks_an_explicit_redirect_against_the_annotations(pat
     _hit(meta)
     view = make_view("context", R, 16, W)
     meta.set_request_rows(PAUSED, TOTAL)
-    meta.setup_commit_pass(view, torch.tensor([2, 3], dtype=torch.int32), _table(),
-                           start_positions=torch.tensor([0, 2], dtype=torch.int32),
-                           inherited_blocks=torch.zeros(N, dtype=torch.int32))
+
+    def commit():
+        meta.setup_commit_pass(view, torch.tensor([2, 3], dtype=torch.int32), _table(),
+                               start_positions=torch.tensor([0, 2], dtype=torch.int32),
+                               inherited_blocks=torch.zeros(N, dtype=torch.int32))
+
+    if getattr(MTPMetadata.setup_commit_pass, "__invariant_checked__", False):
+        with pytest.raises(InvariantError, match="prefix redirect"):
+            commit()  # MTPMETA_DEBUG=1 checks right after the call
+        return
+    commit()
     assert 20 in _written(view, 5)
     with pytest.raises(InvariantError, match="prefix redirect"):
         meta.check_invariants()
@@ -304,7 +312,7 @@ def test_a_forgotten_redirect_without_a_split_is_caught_when_told(path):
                                       (np.array([1, 2]), torch.tensor([0, 0]))])
 def test_a_move_into_one_row_twice_is_refused_and_changes_nothing(path, src, dst):
     meta = _meta(path)
-    meta.request_matched_prefix_blocks.copy_(torch.arange(R, dtype=torch.int32))
+    meta.request_matched_prefix_blocks.copy_(torch.arange(R, dtype=torch.int32) % W)
     before = meta.request_matched_prefix_blocks.clone()
     with pytest.raises(ValueError, match="dst_idxs repeats row"):
         meta.move_request_rows(src, dst)
@@ -313,9 +321,9 @@ def test_a_move_into_one_row_twice_is_refused_and_changes_nothing(path, src, dst
 
 def test_a_move_from_one_row_into_two_is_a_copy(path):
     meta = _meta(path)
-    meta.request_matched_prefix_blocks.copy_(torch.arange(R, dtype=torch.int32))
+    meta.request_matched_prefix_blocks.copy_(torch.arange(R, dtype=torch.int32) % W)
     meta.move_request_rows([1, 1], [4, 5])
-    assert meta.request_matched_prefix_blocks.tolist() == [0, 1, 2, 3, 1, 1, 6, 7]
+    assert meta.request_matched_prefix_blocks.tolist() == [0, 1, 2, 3, 1, 1, 0, 1]
 
 
 # ------------------------------------- (g) an inherited count over an unallocated column
@@ -342,6 +350,26 @@ def test_an_inherited_count_over_an_unallocated_column_is_refused(path, split):
                                start_positions=torch.tensor([0, 8], dtype=torch.int32),
                                inherited_blocks=inherited)
     _assert_unchanged(meta, view, before)
+
+
+def test_an_inherited_count_above_the_shared_blocks_is_caught_by_the_check(path):
+    """B's annotation says 1 shared block, but the pass is given 2 over allocated
+    columns: B's own position 4 goes to the dummy block. Told the split (or with the
+    split served), the check compares with the annotations and names the lost token."""
+    meta = _meta(path)
+    _hit(meta)
+    view = make_view("context", R, 16, W)
+
+    def commit():
+        meta.setup_commit_pass(view, torch.tensor([2, 3], dtype=torch.int32),
+                               _table()[PAUSED:TOTAL],
+                               start_positions=torch.tensor([0, 3], dtype=torch.int32),
+                               inherited_blocks=torch.tensor([0, 2], dtype=torch.int32))
+
+    commit()
+    assert _written(view, 5) == [10, 10, D, D, D]  # position 4 of B: lost
+    with pytest.raises(InvariantError, match="the request's own KV is lost"):
+        meta.check_invariants(request_rows=(PAUSED, TOTAL))
 
 
 def test_an_inherited_count_within_the_allocated_columns_passes(path):

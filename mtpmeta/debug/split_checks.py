@@ -9,7 +9,9 @@ Then:
 
 - ``prefix redirect``: no real token of request ``i`` whose block column is below the
   annotation ``request_matched_prefix_blocks[first + i]`` points at a real block (the
-  shared prefix block stays unwritten, whatever ``inherited_blocks`` the call got). The
+  shared prefix block stays unwritten, whatever ``inherited_blocks`` the call got), and
+  no real token of a commit pass at or past it goes to the dummy block (a count above
+  the blocks really shared loses the request's own KV). The
   annotations are read at the record's first check (``MTPMETA_DEBUG=1`` checks right
   after the call; a row move afterwards changes them).
 - ``context rows`` (with ``block_table``, the context's whole ``[R, W]`` table, and
@@ -89,6 +91,17 @@ def check_split_rows(meta: Any, record: ForwardRecord, view: Any,
                                  f"{int(annotations[row])}: a shared prefix block is "
                                  f"rewritten (inherited_blocks forgotten, too low, or "
                                  f"taken from other rows)")
+    lost = np.flatnonzero(~real & (columns >= annotations[rows])) \
+        if record.kind == "commit" else np.empty(0, np.int64)
+    if lost.size:
+        t = int(lost[0])
+        row = int(rows[t])
+        _fail("prefix redirect", f"token {t} of {_describe(record)} (request "
+                                 f"{int(requests[t])} = context row {row}, block column "
+                                 f"{int(columns[t])}) goes to the dummy block, but "
+                                 f"request_matched_prefix_blocks[{row}] = "
+                                 f"{int(annotations[row])}: the request's own KV is lost "
+                                 f"(an inherited count above the blocks really shared)")
     if block_table is None or request_rows is None:
         return
     _check_context_rows(meta, record, request_rows, requests, columns, blocks, real,
