@@ -3,9 +3,9 @@
 An allocation is born in ``allocate`` and dropped in ``deallocate`` (or replaced by the
 next ``allocate``); nothing in it outlives it but the ``[R]`` annotation tensor, which
 the next allocation under the same device runtime takes over (zeroed), so a reference
-the caller kept to ``request_matched_prefix_blocks`` stays the live one. ``MTPMetadata._install`` hands it to the
-call groups, which bind the parts they use as their own attributes (a hot call then
-reads one attribute, not a chain).
+the caller kept to ``request_matched_prefix_blocks`` stays the live one.
+``MTPMetadata._install`` hands it to the call groups, which bind the parts they use as
+their own attributes (a hot call then reads one attribute, not a chain).
 """
 
 from __future__ import annotations

@@ -12,15 +12,14 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import numpy as np
-
 from torch import Tensor
 
 from mtpmeta.calls.allocation import Allocation
 from mtpmeta.calls.state import CallState, raise_unavailable
+from mtpmeta.kernels import native
 from mtpmeta.types import ForwardRecord, ForwardShape, MTPForwardMode
 from mtpmeta.validation.request_rows import leading_length, raise_split_ended
 from mtpmeta.validation.bounds import refuse_whole_annotations
-from mtpmeta.kernels import native
 from mtpmeta.validation.checks import (check_commit_inputs, check_prefill_lengths,
                                        raise_commit_block, refuse_unallocated_inherited)
 
@@ -37,8 +36,10 @@ class CommitPass:
     Binds the allocation's backend, ``Geometry``, ``ForwardMemo`` (and its ``shapes``),
     ``InheritedCopies`` and the ``[R]`` int32 ``request_matched_prefix_blocks`` (to
     refuse it whole while ``draft_annotation_offset`` is non-zero; ``_rows``, its numpy
-    view, is a split's default redirect); all None without an allocation. Invariant: a refused pass leaves the view, the buffers and
-    ``forward_mode`` as they were.
+    view, is a split's default redirect), and ``_spans``, ``[2, R]`` int64, where a
+    split-served pass keeps its spans by context row; all None without an allocation.
+    Invariant: a refused pass leaves the view, the buffers, ``forward_mode`` and the
+    split as they were.
     """
 
     __slots__ = ("_state", "_backend", "_geometry", "_memo", "_shapes", "_inherited",
@@ -130,7 +131,7 @@ class CommitPass:
             raise_unavailable(self._state, "setup_commit_pass")
         state = self._state
         split = state.split
-        if split is not None or state.split_ended:  # the step's split (request_rows)
+        if split is not None or state.split_ended:  # validation.request_rows
             if split is None or split.committed:
                 raise_split_ended("setup_commit_pass")
             count = leading_length(append_counts)
