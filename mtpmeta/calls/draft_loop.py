@@ -62,7 +62,7 @@ class DraftLoop:
                  "block_table", "lengths", "record", "loop_after", "unchecked_table",
                  "capture_setup", "offsets_stale", "_backend", "_geometry", "_memo",
                  "_active", "_shapes", "_route", "_table_range", "_width", "_bound_k",
-                 "_annotations", "_no_spans")
+                 "_annotations", "_no_spans", "first_row")
 
     def __init__(self, state: CallState) -> None:
         self._state = state
@@ -71,6 +71,7 @@ class DraftLoop:
         self.graphed = False
         self.record: Optional[ForwardRecord] = None
         self.loop_after: Optional[ForwardRecord] = None
+        self.first_row = 0  # draft_annotation_offset at the begin (its records keep it)
         self.install(None)
 
     def install(self, allocation: Optional[Allocation]) -> None:
@@ -179,6 +180,7 @@ class DraftLoop:
         self.graphed = graphed
         state.mode = _DRAFT
         self.record = None  # a new draft loop: its first depth makes a record
+        self.first_row = state.annotation_offset
         self.capture_setup = self.offsets_stale = False
         self.loop_after = after
 
@@ -230,6 +232,7 @@ class DraftLoop:
         self.graphed = graphed
         self._state.mode = _DRAFT
         self.record = None
+        self.first_row = self._state.annotation_offset
         self.loop_after = None
         self.capture_setup = self.offsets_stale = False
 
@@ -357,7 +360,7 @@ class DraftLoop:
         record = self.record  # the depths of one draft loop share a record
         if record is None or record.gpu_view is not gpu_view:
             record = self.record = ForwardRecord("decode", gpu_view, count, padded, count,
-                                                 padded)
+                                                 padded, None, None, self.first_row)
         state.last_forward = record
         fields = (count, padded, count, padded, 1, max_k)
         shape = self._shapes.get(fields)
