@@ -81,9 +81,8 @@ class MTPMetadata:
         last_forward: ``ForwardRecord`` of the last view-writing call, read by
             ``check_invariants`` (None before any).
         draft_annotation_offset: int in ``[0, R]``, default 0: the paused rows in front
-            (draft row ``i`` is annotation row ``offset + i``; ``set_request_rows`` sets
-            it); while non-zero with no split declared, the whole annotation buffer as
-            ``inherited_blocks`` is refused.
+            (draft row ``i`` is annotation row ``offset + i``); ``set_request_rows``
+            sets it, and while its split lives only that value is accepted.
         request_matched_prefix_blocks, offsets, block_table, query_lengths,
             kv_lengths, row_ids, chunk_boundary_hidden: the persistent buffers
             (read-only properties, None before ``allocate``).
@@ -91,9 +90,7 @@ class MTPMetadata:
             chunk carry's state.
         mirror, device: the path and device ``allocate`` chose (None before it).
 
-    Indices: what the row-lifecycle methods take as row indices: a slice, an int, a
-    sequence of ints, a 1-D integer numpy array or tensor (a device tensor is read
-    back, one sync) or a boolean mask of length ``max_requests``; ints in ``[-R, R)``.
+    Indices: the row-lifecycle methods' row indices (the module's ``Indices``).
     """
 
     def __init__(self, enabled: bool, max_requests: int, max_kv_block_count: int,
@@ -194,10 +191,9 @@ class MTPMetadata:
     request_matched_prefix_blocks = buffer_property(
         "request_matched_prefix_blocks",
         "[R] int32 host: leading KV blocks each row inherited from the prefix cache. "
-        "None before allocate() and after deallocate() (contract §1), so an in-place "
-        "write then fails on None (a TypeError): call allocate(device) first, then "
-        "write the annotations again (allocate zeroes them); the row methods "
-        "(reset/move/swap_request_rows) raise NotAllocatedError saying so.")
+        "None before allocate() and after deallocate() (contract §1): call "
+        "allocate(device) first, then write the annotations again (allocate zeroes "
+        "them, keeping the tensor, so a reference kept across stays the live one).")
     offsets = buffer_property("offsets",
                               "[R] int32 device: draft write position per request.")
     block_table = buffer_property(
@@ -266,7 +262,7 @@ class MTPMetadata:
             block_size_tokens=self.block_size_tokens, dummy_block_idx=self.dummy_block_idx,
             block_table_dtype=self.block_table_dtype, hidden_size=self.hidden_size,
             hidden_dtype=self.hidden_dtype, device=device, mirror=mirror,
-            max_tokens=max_tokens, staging_slots=staging_slots))
+            max_tokens=max_tokens, staging_slots=staging_slots, kept=self._rows.kept))
 
     def deallocate(self) -> None:
         """Release every buffer, mirroring ``allocate`` (the suspend path). A CUDA graph
@@ -285,8 +281,7 @@ class MTPMetadata:
         self._backend = None if allocation is None else allocation.backend
         for group in (self._rows, self._carry, self._draft, self._commit, self._writers):
             group.install(allocation)
-        self._state.mode = _NONE
-        self._state.last_forward = None
+        self._state.install()  # NONE, no record; a live row split ends
         if allocation is not None:  # initialised before any stream's use
             allocation.backend.lifecycle.born()
 
@@ -381,20 +376,23 @@ class MTPMetadata:
                                          block_table, padded_request_count)
 
     # ----------------------------------------------------------------- debugging
-    def check_invariants(self, gpu_view: Any = None) -> None:
+    def check_invariants(self, gpu_view: Any = None, *,
+                         request_rows: Optional[Tuple[int, int]] = None,
+                         block_table: Any = None) -> None:
         """Check this object's invariants and those of the last forward's destination
-        view.
-
-        Raises ``InvariantError`` (an ``AssertionError``, raised explicitly so it holds
-        under ``python -O``) naming the broken invariant and the offending row, token or
-        slot. ``gpu_view`` defaults to the view of ``last_forward`` (anything but a
-        destination view is a ``ValueError``). A debug tool: it
-        reads the buffers and the view back (a sync on CUDA). The list is in
-        ``mtpmeta.debug.invariants``.
-        """
+        view; raises ``InvariantError`` (an ``AssertionError``, raised explicitly so it
+        holds under ``python -O``) naming the broken invariant and the offending row,
+        token or slot. ``gpu_view`` defaults to the view of ``last_forward`` (anything
+        but a destination view is a ``ValueError``). ``request_rows=(paused, total)``:
+        the scheduler's row split of the last forward, whose request ``i`` is context
+        row ``paused + i``; with ``block_table``, the context's whole ``[R, W]`` table,
+        every real token must write its context row's block (or the dummy block). A
+        debug tool: it reads the buffers and the view back (a sync on CUDA). The list
+        is in ``mtpmeta.debug.invariants``."""
         from mtpmeta.debug.invariants import check_invariants
 
-        check_invariants(self, gpu_view)
+        check_invariants(self, gpu_view, request_rows=request_rows,
+                         block_table=block_table)
 
 
 install_debug_checks_from_env(MTPMetadata)  # MTPMETA_DEBUG=1 wraps the public methods

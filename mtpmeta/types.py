@@ -64,6 +64,8 @@ class ForwardRecord:
     request row the call redirected with, copied at the call (the caller may change its
     array afterwards), or None. ``block_table`` is the caller's table of a device-route
     writer (a reference; its block ids were not checked on the host), else None.
+    ``first_row``: the context row of request 0 when a declared row split served the
+    call (its paused count), else None.
     """
 
     kind: str
@@ -74,3 +76,4 @@ class ForwardRecord:
     padded_request_count: int
     inherited: Optional[object] = None
     block_table: Optional[object] = None
+    first_row: Optional[int] = None

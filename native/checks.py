@@ -235,3 +235,78 @@ def first_counted_outside(table, rows, block_counts, low, high):
             if value < low or value > high:
                 return i, col
     return -1, -1
+
+
+@njit(cache=True)
+def first_unallocated_inherited(block_table, inherited, count, block_counts, has_counts):
+    """The first ``(r, column)``, ``r < count``, with ``column < inherited[r]`` whose
+    block ``block_table[r, column]`` is negative: an inherited block is a shared prefix
+    block, so it is allocated, and a count that covers an unallocated column is wrong
+    (it would send the request's own KV to the dummy block). ``(-1, -1)`` when none.
+    Counts are cut to the table's width (and to ``block_counts[r]``, the columns the
+    caller holds, when ``has_counts``); a count outside ``[0, W]`` is its own refusal.
+
+    >>> table = np.array([[3, 4, -1], [5, -1, -1]])
+    >>> first_unallocated_inherited(table, np.array([2, 2]), 2, table[0], False)
+    (1, 1)
+    >>> first_unallocated_inherited(table, np.array([2, 1]), 2, table[0], False)
+    (-1, -1)
+    """
+    width = block_table.shape[1]
+    for r in range(count):
+        protected = np.int64(inherited[r])
+        if protected > width:
+            protected = width
+        if has_counts and protected > block_counts[r]:
+            protected = np.int64(block_counts[r])
+        for column in range(protected):
+            if block_table[r, column] < 0:
+                return r, column
+    return -1, -1
+
+
+@njit(cache=True)
+def record_commit_spans(counts, starts, has_starts, first_row, spans):
+    """Keep a commit pass's spans by context row: ``spans[:, first_row + r] = (start,
+    start + counts[r])`` for its requests, ``(0, 0)`` (empty) for every other row.
+    spans: int64 [2, R].
+
+    >>> spans = np.full((2, 4), 7, np.int64)
+    >>> record_commit_spans(np.array([2, 3]), np.array([0, 5]), True, 1, spans)
+    >>> spans.tolist()
+    [[0, 0, 5, 0], [0, 2, 8, 0]]
+    """
+    spans[:, :] = 0
+    for r in range(counts.shape[0]):
+        start = np.int64(starts[r]) if has_starts else np.int64(0)
+        spans[0, first_row + r] = start
+        spans[1, first_row + r] = start + counts[r]
+
+
+@njit(cache=True)
+def first_protected_start(starts, count, first_row, annotations, block_size, spans,
+                          has_spans):
+    """The first draft row ``i < count`` (context row ``first_row + i``) whose start
+    lies where a draft must not write: ``(1, i)`` inside the row's inherited blocks
+    (``start // BS < annotations[first_row + i]``), ``(2, i)`` inside the span the
+    commit pass just before wrote for the row (``spans``, when ``has_spans``); ``(0,
+    -1)`` when none. A negative start is left to the begin's own refusal.
+
+    >>> spans = np.array([[0, 3], [0, 7]])  # row 1 committed positions 3..6
+    >>> first_protected_start(np.array([6]), 1, 1, np.array([0, 1]), 4, spans, True)
+    (2, 0)
+    >>> first_protected_start(np.array([2]), 1, 1, np.array([0, 1]), 4, spans, False)
+    (1, 0)
+    >>> first_protected_start(np.array([7]), 1, 1, np.array([0, 1]), 4, spans, True)
+    (0, -1)
+    """
+    for i in range(count):
+        row = first_row + i
+        start = np.int64(starts[i])
+        if start < 0:
+            continue
+        if start // block_size < annotations[row]:
+            return 1, i
+        if has_spans and spans[0, row] <= start and start < spans[1, row]:
+            return 2, i
+    return 0, -1

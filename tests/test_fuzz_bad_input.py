@@ -154,6 +154,16 @@ def _valid_pair(draw, strided):
     return {"src": src, "dst": draw(fv.index(fv.index_length(src), strided))}, {}
 
 
+def _valid_move(draw, strided):
+    """A valid pair whose destinations name a row at most once (a move refuses a repeated
+    destination: one of the two annotations would be lost)."""
+    args, facts = _valid_pair(draw, strided)
+    rows = as_row_indices(args["dst"], R, "dst")
+    if type(rows) is not slice:
+        assume(np.unique(np.asarray(rows) % R).size == len(rows))
+    return args, facts
+
+
 def _valid_swap(draw, strided):
     """A valid pair whose sides each name a row at most once (a swap refuses repeats)."""
     args, facts = _valid_pair(draw, strided)
@@ -538,7 +548,7 @@ SPECS: Dict[str, Spec] = {
         lambda m, v, a: m.reset_request_rows(a["idx"]), _valid_reset, _bad_reset,
         fv.INDEX_KINDS),
     "move_request_rows": _spec(
-        lambda m, v, a: m.move_request_rows(a["src"], a["dst"]), _valid_pair, _bad_pair,
+        lambda m, v, a: m.move_request_rows(a["src"], a["dst"]), _valid_move, _bad_pair,
         ["src", "dst", "length"]),
     "swap_request_rows": _spec(
         lambda m, v, a: m.swap_request_rows(a["src"], a["dst"]), _valid_swap, _bad_pair,

@@ -298,10 +298,28 @@ def test_draft_rows_read_the_annotations_of_the_declared_offset(path):
                                              r"inherited 1\) .* writes shared block 6"):
         meta.setup_decode_step(view)
         meta.check_invariants()
+
+
+def test_a_draft_offset_with_no_room_for_the_draft_rows_is_named(path):
+    meta, view = _checked_meta(path)
     meta.draft_annotation_offset = R  # no room for the one draft row
+    meta.begin_decode(1, 1, [2], TABLE[1:], False)
     with pytest.raises(InvariantError, match=r"^inherited blocks: draft_annotation_offset "
                                              r"8 puts the 1 draft rows outside the 8 "):
+        meta.setup_decode_step(view)
         meta.check_invariants()
+
+
+def test_a_draft_record_keeps_the_offset_its_loop_began_with(path):
+    """The next step's split (more paused rows) describes the rows as they are now; the
+    last step's draft depth is still checked against the rows it drafted."""
+    meta, view = _checked_meta(path)
+    meta.request_matched_prefix_blocks[:2] = torch.tensor([0, 0], dtype=torch.int32)
+    meta.begin_decode(2, 2, [2, 2], TABLE[1:], False)  # no paused rows this step
+    meta.setup_decode_step(view)
+    meta.end_forward()
+    meta.set_request_rows(R - 1, R)  # the next step: R - 1 rows paused
+    meta.check_invariants()  # rows 7 and 8 would lie outside the annotations
 
 
 def _commit_then_draft(meta, view, starts):

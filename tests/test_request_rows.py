@@ -122,6 +122,7 @@ def test_whole_block_counts_follow_the_same_rule(path):
         meta.begin_decode(2, 2, starts, table, False, block_counts=block_counts)
         meta.setup_decode_step(view)
         meta.end_forward()
+        meta.set_request_rows(PAUSED, TOTAL)  # the next step's split
         meta.setup_commit_pass(view, torch.tensor([2, 3], dtype=torch.int32), table,
                                start_positions=starts, padded_token_count=8,
                                block_counts=block_counts)

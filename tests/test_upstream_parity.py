@@ -123,12 +123,14 @@ def test_inherited_blocks_take_the_active_slice_with_paused_rows(path):
 
 def test_readme_example_declares_the_split_before_passing_whole_arrays():
     """The README's commit-pass example is what engine authors copy; a whole array
-    without a declared split redirects the wrong rows as soon as a request is paused."""
+    without a declared split redirects the wrong rows as soon as a request is paused.
+    The split protects the prefix hit by itself: no ``inherited_blocks`` to forget."""
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     example = readme.split("## One speculative step", 1)[1].split("\n## ", 1)[0]
     declared = example.index("mtp.set_request_rows(paused, total)")
-    assert declared < example.index("inherited_blocks=mtp.request_matched_prefix_blocks,")
     assert declared < example.index("mtp.setup_commit_pass(")
+    assert declared < example.index("mtp.begin_decode(")
+    assert "inherited_blocks=" not in example.split("```python", 1)[1].split("```")[0]
     assert "draft_annotation_offset = " not in example
 
 

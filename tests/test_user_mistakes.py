@@ -324,11 +324,12 @@ def test_commit_pass_refuses_an_unallocated_block_in_a_written_column(path):
 
 
 def test_commit_pass_accepts_unallocated_blocks_it_does_not_write(path):
-    """Positive control: -1 past a span, or inside an inherited (redirected) column, is
-    what a scheduler's table holds; the pass equals the reference's."""
+    """Positive control: -1 past a span is what a scheduler's table holds (an inherited
+    column holds its shared block, tests/test_split_mistakes.py); the pass equals the
+    reference's."""
     meta, ref = make_metadata(path), make_reference()
     view, ref_view = make_view("context"), make_view("reference")
-    table = _with(-1, 0, 0, _with(-1, 1, 3))  # row 0 col 0 inherited; row 1 col 3 unused
+    table = _with(-1, 1, 3)  # row 0 col 0 inherited (a real block); row 1 col 3 unused
     for side, v in ((meta, view), (ref, ref_view)):
         side.setup_commit_pass(v, torch.tensor([3, 4]), torch.from_numpy(table.copy()),
                                start_positions=torch.tensor([2, 0]),

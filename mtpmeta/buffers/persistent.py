@@ -67,10 +67,15 @@ class PersistentBuffers:
     def allocate(cls, *, max_requests: int, max_kv_block_count: int, dummy_block_idx: int,
                  block_table_dtype: torch.dtype, hidden_size: int,
                  hidden_dtype: torch.dtype, device: torch.device,
-                 runtime: Optional[DeviceRuntime] = None) -> "PersistentBuffers":
+                 runtime: Optional[DeviceRuntime] = None,
+                 annotations: Optional[torch.Tensor] = None) -> "PersistentBuffers":
+        """The buffers; ``annotations``: an ``[R]`` int32 host tensor of an earlier
+        allocation under ``runtime`` to take over (zeroed), else a new one."""
         runtime = runtime if runtime is not None else get_runtime()
         # [R] int32 host, pinned when CUDA is present.
-        annotations = runtime.host_empty((max_requests,), torch.int32)
+        if annotations is None or tuple(annotations.shape) != (max_requests,) or \
+                annotations.dtype != torch.int32:
+            annotations = runtime.host_empty((max_requests,), torch.int32)
         annotations.zero_()
         # [2, R] int32: query and KV length staging side by side, so a copy of both
         # rows of a prefix is one strided op.

@@ -1,12 +1,16 @@
 """``Allocation``: what one ``MTPMetadata.allocate`` holds, built in one place.
 
 An allocation is born in ``allocate`` and dropped in ``deallocate`` (or replaced by the
-next ``allocate``); nothing in it outlives it. ``MTPMetadata._install`` hands it to the
-call groups, which bind the parts they use as their own attributes (a hot call then
-reads one attribute, not a chain).
+next ``allocate``); nothing in it outlives it but the ``[R]`` annotation tensor, which
+the next allocation under the same device runtime takes over (zeroed), so a reference
+the caller kept to ``request_matched_prefix_blocks`` stays the live one.
+``MTPMetadata._install`` hands it to the call groups, which bind the parts they use as
+their own attributes (a hot call then reads one attribute, not a chain).
 """
 
 from __future__ import annotations
+
+from typing import Any, Optional, Tuple
 
 import torch
 
@@ -57,16 +61,20 @@ class Allocation:
                block_size_tokens: int, dummy_block_idx: int,
                block_table_dtype: torch.dtype, hidden_size: int,
                hidden_dtype: torch.dtype, device: torch.device, mirror: bool,
-               max_tokens: int, staging_slots: int) -> "Allocation":
+               max_tokens: int, staging_slots: int,
+               kept: Optional[Tuple[torch.Tensor, Any]] = None) -> "Allocation":
         """New buffers on ``device`` with their backend (mirror or direct) and
         geometry, under the device runtime in effect now. The arguments are
-        ``MTPMetadata``'s configuration and ``allocate``'s checked arguments."""
+        ``MTPMetadata``'s configuration and ``allocate``'s checked arguments;
+        ``kept``: ``(annotations, runtime)`` of the last allocation, whose annotation
+        tensor is taken over when it was made under this runtime."""
         runtime = get_runtime()
+        annotations = kept[0] if kept is not None and kept[1] is runtime else None
         buffers = PersistentBuffers.allocate(
             max_requests=max_requests, max_kv_block_count=max_kv_block_count,
             dummy_block_idx=dummy_block_idx, block_table_dtype=block_table_dtype,
             hidden_size=hidden_size, hidden_dtype=hidden_dtype, device=device,
-            runtime=runtime)
+            runtime=runtime, annotations=annotations)
         if mirror:
             from mtpmeta.mirror.backend import MirrorBackend
 

@@ -26,12 +26,13 @@ def field_property(holder: str, name: str, doc: str) -> property:
 
 
 def annotation_offset_property(doc: str) -> property:
-    """``draft_annotation_offset``: an int in ``[0, max_requests]`` (anything else is
-    refused, naming it, and changes nothing); assigning it withdraws a row split
-    ``set_request_rows`` declared."""
+    """``draft_annotation_offset``: an int in ``[0, max_requests]``, and while a split
+    ``set_request_rows`` declared lives, its paused count (anything else is refused,
+    naming it, and changes nothing). Assigning it never touches the split."""
     def set(self: Any, value: Any) -> None:
-        offset = check_annotation_offset(self.max_requests, value)
-        self._state.annotation_offset, self._state.split = offset, None
+        state = self._state
+        state.annotation_offset = check_annotation_offset(self.max_requests, value,
+                                                          state.split)
     return property(attrgetter("_state.annotation_offset"), set, doc=doc)
 
 

@@ -11,17 +11,21 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import numpy as np
 from torch import Tensor
 
 from mtpmeta.calls.allocation import Allocation
 from mtpmeta.calls.state import CallState, raise_unavailable
+from mtpmeta.kernels import native
 from mtpmeta.types import ForwardRecord, ForwardShape, MTPForwardMode
-from mtpmeta.validation.request_rows import leading_length
+from mtpmeta.validation.request_rows import leading_length, raise_split_ended
 from mtpmeta.validation.bounds import refuse_whole_annotations
 from mtpmeta.validation.checks import (check_commit_inputs, check_prefill_lengths,
-                                       raise_commit_block)
+                                       raise_commit_block, refuse_unallocated_inherited)
 
 __all__ = ["CommitPass"]
+
+_record_spans = native.checks.record_commit_spans
 
 _COMMIT = MTPForwardMode.COMMIT
 
@@ -31,13 +35,15 @@ class CommitPass:
 
     Binds the allocation's backend, ``Geometry``, ``ForwardMemo`` (and its ``shapes``),
     ``InheritedCopies`` and the ``[R]`` int32 ``request_matched_prefix_blocks`` (to
-    refuse it whole while ``draft_annotation_offset`` is non-zero); all None without an
-    allocation. Invariant: a refused pass leaves the view, the buffers and
-    ``forward_mode`` as they were.
+    refuse it whole while ``draft_annotation_offset`` is non-zero; ``_rows``, its numpy
+    view, is a split's default redirect), and ``_spans``, ``[2, R]`` int64, where a
+    split-served pass keeps its spans by context row; all None without an allocation.
+    Invariant: a refused pass leaves the view, the buffers, ``forward_mode`` and the
+    split as they were.
     """
 
     __slots__ = ("_state", "_backend", "_geometry", "_memo", "_shapes", "_inherited",
-                 "_annotations")
+                 "_annotations", "_rows", "_spans")
 
     def __init__(self, state: CallState) -> None:
         self._state = state
@@ -47,7 +53,7 @@ class CommitPass:
         """Bind ``allocation`` (None: no buffers)."""
         if allocation is None:
             self._backend = self._geometry = self._memo = self._shapes = None
-            self._inherited = self._annotations = None
+            self._inherited = self._annotations = self._rows = self._spans = None
             return
         self._backend = allocation.backend
         self._geometry = allocation.geometry
@@ -55,6 +61,8 @@ class CommitPass:
         self._shapes = allocation.memo.shapes
         self._inherited = allocation.inherited
         self._annotations = allocation.buffers.request_matched_prefix_blocks
+        self._rows = allocation.buffers.annotations  # its numpy view
+        self._spans = np.zeros((2, allocation.geometry.max_requests), dtype=np.int64)
 
     def stage_prefill_lengths(self, append_counts: Any, pad_tokens: Any) -> Tensor:
         """Stage a varlen commit pass's lengths, absorbing ``pad_tokens`` TP pad rows.
@@ -96,11 +104,14 @@ class CommitPass:
         each: ``append_counts``, ``block_table``, ``start_positions`` and
         ``inherited_blocks`` (their values decide the staging and the returned shape).
         Keep them on the host to keep the commit pass free of syncs.
-        ``inherited_blocks`` is per commit-pass request: the ACTIVE slice of the
-        annotations (``request_matched_prefix_blocks[paused:total]``), never the whole
-        array, which with paused rows redirects the wrong requests (refused, a
-        ``ValueError``, when ``draft_annotation_offset`` is non-zero); its counts lie in
-        ``[0, max_kv_block_count]`` and are copied for ``check_invariants`` at the call.
+        ``inherited_blocks`` is per commit-pass request (entry ``i``: request ``i``'s
+        count, in ``[0, max_kv_block_count]``, copied for ``check_invariants`` at the
+        call). With a split declared (``set_request_rows``) it defaults to the
+        annotation rows ``[paused, paused + P)``, and the whole annotations give those
+        rows too. Without one, upstream's: None redirects nothing and an array is read
+        from entry 0, so pass the active slice ``request_matched_prefix_blocks[paused:
+        total]`` (the whole buffer while ``draft_annotation_offset`` is non-zero is
+        refused, a ``ValueError``).
         Block ids: the rows ``block_table[:P]`` must fit ``gpu_view.mha_block_table``,
         and every block a token writes (not redirected) must be ``>= 0`` and fit
         ``gpu_view.token_to_block_idx``; refused before anything is written.
@@ -119,11 +130,16 @@ class CommitPass:
         if backend is None:
             raise_unavailable(self._state, "setup_commit_pass")
         state = self._state
-        if state.split is not None:  # whole context arrays give their active rows
-            block_table, start_positions, inherited_blocks, block_counts = \
-                state.split.active(leading_length(append_counts), "append_counts",
-                                   block_table, start_positions, inherited_blocks,
-                                   block_counts)
+        split = state.split
+        if split is not None or state.split_ended:  # validation.request_rows
+            if split is None or split.committed:
+                raise_split_ended("setup_commit_pass")
+            count = leading_length(append_counts)
+            block_table, start_positions, inherited_blocks, block_counts = split.active(
+                count, "append_counts", block_table, start_positions, inherited_blocks,
+                block_counts)
+            if inherited_blocks is None and count is not None:  # prefix hits protected
+                inherited_blocks = self._rows[split.paused:split.paused + count]
         if state.annotation_offset and inherited_blocks is not None:
             refuse_whole_annotations("setup_commit_pass", inherited_blocks,
                                      self._annotations, state.annotation_offset)
@@ -133,6 +149,8 @@ class CommitPass:
          padded_requests, used) = check_commit_inputs(
             geometry, target, append_counts, block_table, start_positions,
             inherited_blocks, padded_token_count, padded_request_count, block_counts)
+        if inherited is not None:  # before any write, as the kernel's own scan
+            refuse_unallocated_inherited(table, inherited, counts, used)
         refused, staged, padded_requests, max_len = backend.commit_pass(
             target, counts, starts, table, inherited, padded_tokens, pad, min_padded,
             padded_requests, used)
@@ -141,9 +159,14 @@ class CommitPass:
                                counts, starts, table, inherited)
         state.mode = _COMMIT
         total = int(total)
-        state.last_forward = ForwardRecord("commit", gpu_view, total, padded_tokens,
-                                           staged, padded_requests,
-                                           self._inherited.copy(inherited))
+        record = state.last_forward = ForwardRecord(
+            "commit", gpu_view, total, padded_tokens, staged, padded_requests,
+            self._inherited.copy(inherited), None, None if split is None else split.paused)
+        if split is not None:  # the spans a draft start must lie past (draft_loop)
+            split.committed = True
+            _record_spans(counts, counts if starts is None else starts,
+                          starts is not None, split.paused, self._spans)
+            state.committed = (record, self._spans)
         max_len = int(max_len) if max_len > 1 else 1  # upstream floors an empty one at 1
         fields = (total, padded_tokens, staged, padded_requests, max_len, max_len)
         shape = self._shapes.get(fields)

@@ -14,20 +14,24 @@ from __future__ import annotations
 
 from typing import Any, NoReturn, Optional, Tuple
 
+import numpy as np
 from torch import Tensor
 
 from mtpmeta.calls.allocation import Allocation
 from mtpmeta.calls.captured_loop import CapturedLoop, raise_stale
 from mtpmeta.calls.state import CallState, raise_unavailable
 from mtpmeta.errors import ForwardModeError, MTPDisabledError
+from mtpmeta.kernels import native
 from mtpmeta.types import ForwardRecord, ForwardShape, MTPForwardMode
 from mtpmeta.validation.checks import (check_begin_decode, check_decode_counts,
                                        check_decode_view, check_draft_blocks,
                                        raise_draft_block, raise_position_error)
 from mtpmeta.validation.inputs import check_flag
+from mtpmeta.validation.request_rows import raise_protected_start, raise_split_ended
 
 __all__ = ["DraftLoop"]
 
+_first_protected_start = native.checks.first_protected_start
 _DRAFT = MTPForwardMode.DRAFT  # bound once: an enum member lookup costs about 1k instructions
 
 
@@ -57,7 +61,8 @@ class DraftLoop:
     __slots__ = ("_state", "captured", "count", "padded", "graphed", "offsets",
                  "block_table", "lengths", "record", "loop_after", "unchecked_table",
                  "capture_setup", "offsets_stale", "_backend", "_geometry", "_memo",
-                 "_active", "_shapes", "_route", "_table_range", "_width", "_bound_k")
+                 "_active", "_shapes", "_route", "_table_range", "_width", "_bound_k",
+                 "_annotations", "_no_spans", "first_row")
 
     def __init__(self, state: CallState) -> None:
         self._state = state
@@ -66,6 +71,7 @@ class DraftLoop:
         self.graphed = False
         self.record: Optional[ForwardRecord] = None
         self.loop_after: Optional[ForwardRecord] = None
+        self.first_row = 0  # draft_annotation_offset at the begin (its records keep it)
         self.install(None)
 
     def install(self, allocation: Optional[Allocation]) -> None:
@@ -76,8 +82,11 @@ class DraftLoop:
         if allocation is None:
             self._backend = self._geometry = self._memo = self._active = None
             self._shapes = self._route = self._table_range = None
+            self._annotations = self._no_spans = None
             self._width = self._bound_k = 0
             return
+        self._annotations = allocation.buffers.annotations  # [R] int32 host
+        self._no_spans = np.zeros((2, 1), dtype=np.int64)  # no commit pass to compare
         geometry = self._geometry = allocation.geometry
         self._backend = allocation.backend
         self._memo = allocation.memo
@@ -106,9 +115,11 @@ class DraftLoop:
 
         start_positions: int [>= n] (tensor, array or sequence): per ACTIVE request the
         position depth 0 writes, its MTP KV length (entry ``i`` is draft row ``i``, not
-        context row ``i``: with paused rows first pass the active slice;
-        ``check_invariants`` reports a depth that overwrites what the commit pass just
-        before the loop wrote); block_table_src: int [>= n,
+        context row ``i``: with paused rows first pass the active slice, or declare the
+        step's split, ``set_request_rows``, which this begin ends and which refuses a
+        host start inside the row's inherited blocks or inside the span the commit
+        pass just before wrote; ``check_invariants`` reports a depth that overwrites
+        what that pass wrote); block_table_src: int [>= n,
         max_kv_block_count]; graphed: a bool (or numpy bool). Host inputs are checked:
         every entry of ``block_table_src[:n]`` must fit ``block_table_dtype`` (a wider id
         would wrap into another block), and each depth then refuses a negative
@@ -129,6 +140,8 @@ class DraftLoop:
             start_positions, block_table_src, block_counts = split.active(
                 active_request_count, "active_request_count", start_positions,
                 block_table_src, block_counts)
+        elif self._state.split_ended:
+            raise_split_ended("begin_decode")
         if type(graphed) is not bool:
             graphed = check_flag(graphed, "graphed")
         geometry = self._geometry
@@ -137,8 +150,11 @@ class DraftLoop:
             block_table_src, block_counts)
         state = self._state
         after = state.last_forward  # for check_invariants: the forward before the loop
+        if split is not None and not on_device:  # a draft never writes a protected place
+            self._refuse_protected_starts(split.paused, starts, count, after)
         if capture_setup:
             self.captured.begin(count, padded, starts, table, on_device, used)
+            state.end_split()  # the step's split ends with its draft loop's begin
             self._enter(count, padded, True)
             self.capture_setup = self.offsets_stale = True  # a replay runs no host code
             self.unchecked_table = None
@@ -154,6 +170,7 @@ class DraftLoop:
             if not backend.begin_decode(count, starts, table, used):  # bad start: no write
                 raise_position_error(geometry, "start_positions", starts, count)
             self.unchecked_table = None
+        state.end_split()  # the step's split ends with its draft loop's begin
         views = self._active.get(count)  # _enter, inlined: every step begins a loop
         if views is None:  # views of the fixed buffers, built once per count
             views = self._memo.add_active(count)
@@ -163,8 +180,24 @@ class DraftLoop:
         self.graphed = graphed
         state.mode = _DRAFT
         self.record = None  # a new draft loop: its first depth makes a record
+        self.first_row = state.annotation_offset
         self.capture_setup = self.offsets_stale = False
         self.loop_after = after
+
+    def _refuse_protected_starts(self, first_row: int, starts: Any, count: int,
+                                 after: Optional[ForwardRecord]) -> None:
+        """Refuse a host start inside its context row's inherited blocks, or inside
+        the span the commit pass right before wrote for that row (``CallState.
+        committed``), before anything is written."""
+        committed = self._state.committed
+        spans = self._no_spans if committed is None or committed[0] is not after \
+            else committed[1]
+        code, row = _first_protected_start(starts, count, first_row, self._annotations,
+                                           self._geometry.block_size_tokens, spans,
+                                           spans is not self._no_spans)
+        if code:
+            raise_protected_start(code, row, first_row, starts, self._annotations, spans,
+                                  self._geometry.block_size_tokens)
 
     def begin_for_capture(self, padded_count: Any, capture_setup: bool) -> None:
         """Scratch-only draft state for CUDA-graph capture: ``offsets[:p] = 0``,
@@ -199,6 +232,7 @@ class DraftLoop:
         self.graphed = graphed
         self._state.mode = _DRAFT
         self.record = None
+        self.first_row = self._state.annotation_offset
         self.loop_after = None
         self.capture_setup = self.offsets_stale = False
 
@@ -326,7 +360,7 @@ class DraftLoop:
         record = self.record  # the depths of one draft loop share a record
         if record is None or record.gpu_view is not gpu_view:
             record = self.record = ForwardRecord("decode", gpu_view, count, padded, count,
-                                                 padded)
+                                                 padded, None, None, self.first_row)
         state.last_forward = record
         fields = (count, padded, count, padded, 1, max_k)
         shape = self._shapes.get(fields)

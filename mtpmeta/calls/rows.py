@@ -9,7 +9,7 @@ leaves the annotations as they were.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import numpy as np
 
@@ -37,17 +37,22 @@ class RowLifecycle:
     source row is read before any destination row is written.
     """
 
-    __slots__ = ("_state", "_annotations", "_scratch", "_geometry")
+    __slots__ = ("_state", "_annotations", "_scratch", "_geometry", "kept")
 
     def __init__(self, state: CallState) -> None:
         self._state = state
+        self.kept: Optional[Tuple[Any, Any]] = None
         self.install(None)
 
     def install(self, allocation: Optional[Allocation]) -> None:
-        """Bind the rows of ``allocation`` (None: no buffers)."""
+        """Bind the rows of ``allocation`` (None: no buffers). ``kept``: the
+        annotation tensor of the last allocation and its device runtime, which the
+        next allocation takes over (``Allocation.create``)."""
         if allocation is None:
             self._annotations = self._scratch = self._geometry = None
         else:
+            self.kept = (allocation.buffers.request_matched_prefix_blocks,
+                         allocation.geometry.runtime)
             self._annotations = allocation.buffers.annotations
             self._scratch = allocation.buffers.row_scratch
             self._geometry: Optional[Geometry] = allocation.geometry
@@ -67,42 +72,55 @@ class RowLifecycle:
         rows = as_row_indices(request_indexes, max_requests, "request_indexes")
         if type(rows) is slice:
             annotations[rows] = 0
-            return
-        bad = _reset_rows(annotations, rows)
-        if bad >= 0:  # refused before any write
-            raise_row_out_of_range(rows, bad, max_requests, "request_indexes")
+        else:
+            bad = _reset_rows(annotations, rows)
+            if bad >= 0:  # refused before any write
+                raise_row_out_of_range(rows, bad, max_requests, "request_indexes")
+        self._state.committed = None  # rows changed: the pass's spans name old rows
 
     def move(self, src_idxs: Any, dst_idxs: Any) -> None:
         """``x[dst] = x[src]``: every source is read before any destination is written,
-        so overlapping ranges are safe; sources keep their values. No-op when disabled."""
+        so overlapping ranges are safe; sources keep their values. A row named twice in
+        ``dst_idxs`` is refused (``ValueError``, nothing changed). No-op when disabled."""
         if not self._state.enabled:
             return
         annotations = self._annotations
         if annotations is None:
             raise_unavailable(self._state, "move_request_rows")
         src, dst = check_row_pair(self._geometry, "move_request_rows", src_idxs, dst_idxs)
+        # two sources into one row would keep one of them: the other annotation is lost
+        refuse_repeated_rows("move_request_rows", dst, self._geometry.max_requests,
+                             "dst_idxs")
         scratch = self._scratch
         if len(src) > len(scratch):
             scratch = np.empty(len(src), dtype=np.int32)
         bad = _move_rows(annotations, src, dst, scratch)
         if bad >= 0:  # refused before any write
             raise_refused_row_pair(self._geometry, src, dst, bad)
+        self._state.committed = None
 
     def declare_split(self, max_requests: int, paused_count: Any, total_count: Any) -> None:
-        """Declare the scheduler's row split for the calls that follow: rows ``[0,
-        paused_count)`` paused, ``[paused_count, total_count)`` active (``0 <= paused <=
-        total <= R``, ints), and set ``draft_annotation_offset`` to ``paused_count``.
-        Then a per-request array of exactly ``R`` rows passed to ``begin_decode`` or
-        ``setup_commit_pass`` (``start_positions``, ``block_table_src``,
-        ``block_table``, ``inherited_blocks``, ``block_counts``) is the context's whole
-        array and gives its rows ``[paused, paused + P)`` (``P``: ``n``, or
-        ``len(append_counts)``), which must fit the active rows; any other length is the
-        active slice. A caller that builds its own ``R``-row array for its ``P``
-        requests must not declare a split. Assigning ``draft_annotation_offset``
-        withdraws it. Bad counts raise before anything changes."""
+        """Declare this step's row split: rows ``[0, paused_count)`` paused,
+        ``[paused_count, total_count)`` active (``0 <= paused <= total <= R``, ints);
+        ``draft_annotation_offset`` becomes ``paused_count``.
+
+        The split serves the step's ``setup_commit_pass`` (at most one) and then its
+        ``begin_decode``, which ends it (as does a re-allocation); from then on both
+        refuse until the next declaration, so declare it every step. While it lives:
+        a per-request array of exactly ``R`` rows (``start_positions``,
+        ``block_table_src``, ``block_table``, ``inherited_blocks``, ``block_counts``) is
+        the context's whole array and gives its rows ``[paused, paused + P)`` (``P``:
+        ``n``, or ``len(append_counts)``), which must fit the active rows; any other
+        length is the active slice (pass an ``R``-row array of your own, holding the
+        requests from row 0, as ``array[:P]``). The commit pass redirects by the
+        annotation rows ``[paused, paused + P)`` unless ``inherited_blocks`` is given;
+        ``begin_decode`` refuses a host start inside a row's inherited blocks or inside
+        the span the commit pass just before wrote for it. Bad counts raise before
+        anything changes."""
         split = RequestRows(max_requests, paused_count, total_count)
-        self._state.split = split
-        self._state.annotation_offset = split.paused
+        state = self._state
+        state.split, state.split_ended = split, False
+        state.annotation_offset = split.paused
 
     def swap(self, src_idxs: Any, dst_idxs: Any) -> None:
         """Swap annotations: both sides read first, then ``x[dst] = old[src]``, then
@@ -123,3 +141,4 @@ class RowLifecycle:
         bad = _swap_rows(annotations, src, dst, scratch)
         if bad >= 0:  # refused before any write
             raise_refused_row_pair(self._geometry, src, dst, bad)
+        self._state.committed = None

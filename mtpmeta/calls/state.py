@@ -10,7 +10,7 @@ attributes ``enabled``, ``forward_mode``, ``last_forward`` and
 
 from __future__ import annotations
 
-from typing import Any, NoReturn, Optional
+from typing import Any, NoReturn, Optional, Tuple
 
 from mtpmeta.errors import MTPDisabledError, NotAllocatedError
 from mtpmeta.types import ForwardRecord, MTPForwardMode
@@ -35,9 +35,16 @@ class CallState:
             annotation row ``annotation_offset + i`` (the paused-row count when paused
             rows come first); non-zero, it refuses the whole annotation buffer as
             ``inherited_blocks``.
+        split: the live row split ``set_request_rows`` declared
+            (``validation.request_rows``), or None; ``split_ended``: a split was
+            declared and has ended, so the fused calls refuse until the next one.
+        committed: ``(record, spans)`` of the last commit pass a split served: its
+            ``ForwardRecord`` and ``[2, R]`` int64 ``[start, start + count)`` per
+            context row (empty elsewhere); None after a row move, swap or reset.
     """
 
-    __slots__ = ("enabled", "mode", "last_forward", "annotation_offset", "split")
+    __slots__ = ("enabled", "mode", "last_forward", "annotation_offset", "split",
+                 "split_ended", "committed")
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
@@ -46,6 +53,21 @@ class CallState:
         self.annotation_offset: Any = 0
         # The row split set_request_rows declared (validation.request_rows), or None.
         self.split: Optional[RequestRows] = None
+        self.split_ended = False
+        self.committed: Optional[Tuple[ForwardRecord, Any]] = None
+
+    def end_split(self) -> None:
+        """End the live split (a begin_decode took it, or the buffers changed)."""
+        self.committed = None
+        if self.split is not None:
+            self.split, self.split_ended = None, True
+
+    def install(self) -> None:
+        """The state of new (or no) buffers: mode ``NONE``, no forward record, and a
+        live split ended (the next step declares its own)."""
+        self.mode = MTPForwardMode.NONE
+        self.last_forward = None
+        self.end_split()
 
 
 def raise_unavailable(state: CallState, method: str) -> NoReturn:

@@ -45,8 +45,13 @@ The invariants, in the order they are checked:
   writes past what the pass committed. The pass's slots are read at its first
   check, so this needs a check after the commit pass (``MTPMETA_DEBUG=1`` makes one).
 
+- ``prefix redirect`` and ``context rows`` (commit passes and draft depths whose row
+  split is known: a split-served commit pass, or ``request_rows=(paused, total)``,
+  with ``block_table`` for the second): ``split_checks.py``.
+
 The first three (and the device-table part of ``block ids``) check the object and
-are here; the view checks, from ``padded token rows`` on, are ``view_checks.py``.
+are here; the view checks, from ``padded token rows`` on, are ``view_checks.py``, the
+split's two ``split_checks.py``.
 
 ``install_debug_checks(cls)`` wraps the public methods so each call is followed by a
 check; ``mtpmeta.metadata`` calls it at import when ``MTPMETA_DEBUG=1``.
@@ -65,6 +70,7 @@ import numpy as np
 from mtpmeta.buffers.persistent import BUFFER_NAMES
 from mtpmeta.errors import InvariantError
 from mtpmeta.gpu_view import ViewTarget
+from mtpmeta.debug.split_checks import check_request_rows, check_split_rows
 from mtpmeta.debug.view_checks import _check_request_slots, _check_token_rows, _fail, _host
 from mtpmeta.types import MTPForwardMode
 
@@ -174,16 +180,23 @@ def _check_device_table_copy(meta: Any) -> None:
 
 
 # ---------------------------------------------------------------------------- entry
-def check_invariants(meta: Any, gpu_view: Optional[Any] = None) -> None:
+def check_invariants(meta: Any, gpu_view: Optional[Any] = None, *,
+                     request_rows: Any = None, block_table: Any = None) -> None:
     """Check every invariant of ``meta`` and of its last forward's destination view.
 
     ``gpu_view`` defaults to ``meta.last_forward.gpu_view``; the view checks are skipped
-    when there is no last forward or no view. Raises ``InvariantError`` (an
-    ``AssertionError``, raised explicitly) naming the first broken invariant and the
-    offending row, token or slot. May sync (it reads device buffers back).
+    when there is no last forward or no view. ``request_rows`` / ``block_table``: the
+    scheduler's row split and the context's whole table (``split_checks``). Raises
+    ``InvariantError`` (an ``AssertionError``, raised explicitly) naming the first
+    broken invariant and the offending row, token or slot. May sync (it reads device
+    buffers back).
     """
     if gpu_view is not None:
         ViewTarget(gpu_view)  # a ValueError naming the field for a non-view argument
+    request_rows = check_request_rows(meta, request_rows)
+    if block_table is not None and request_rows is None:
+        raise ValueError("block_table: the context's table needs request_rows=(paused, "
+                         "total), the split its rows follow")
     if not _check_forward_mode(meta):
         return
     _check_annotations(meta)
@@ -197,6 +210,7 @@ def check_invariants(meta: Any, gpu_view: Optional[Any] = None) -> None:
         return
     if record.kind in TOKEN_KINDS:
         _check_token_rows(meta, record, view)
+        check_split_rows(meta, record, view, request_rows, block_table)
     if record.kind in REQUEST_KINDS:
         _check_request_slots(record, view)
 

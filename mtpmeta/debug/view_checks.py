@@ -89,7 +89,7 @@ def _check_token_rows(meta: Any, record: ForwardRecord, view: Any) -> None:
     if record.inherited is not None:
         _check_inherited(meta, record, f, T)
     elif record.kind == "decode" and T:
-        _check_inherited(meta, record, f, T, draft_offset=_draft_offset(meta, T))
+        _check_inherited(meta, record, f, T, draft_offset=_draft_offset(meta, record))
     _check_committed_slots(meta, record, f, T)
 
 
@@ -170,11 +170,15 @@ def _record_key(record: ForwardRecord) -> tuple:
             record.padded_request_count)
 
 
-def _draft_offset(meta: Any, count: int) -> int:
-    """``meta.draft_annotation_offset``, checked to put ``count`` draft rows inside the
+def _draft_offset(meta: Any, record: ForwardRecord) -> int:
+    """The annotation row of draft row 0: ``record.first_row``, the
+    ``draft_annotation_offset`` its loop began with (a later step's offset describes
+    later rows), else the object's; checked to put the draft rows inside the
     annotations."""
-    offset = getattr(meta, "draft_annotation_offset", 0)
-    R = meta.max_requests
+    offset = record.first_row
+    if offset is None:
+        offset = getattr(meta, "draft_annotation_offset", 0)
+    count, R = record.token_count, meta.max_requests
     if not isinstance(offset, (int, np.integer)) or not 0 <= offset <= R - count:
         _fail("inherited blocks", f"draft_annotation_offset {offset!r} puts the {count} "
                                   f"draft rows outside the {R} annotation rows")
@@ -262,7 +266,9 @@ def _check_committed_slots(meta: Any, record: ForwardRecord, f: Dict[str, np.nda
             _COMMITS_SEEN[meta] = (record, _record_key(record), _slots(meta, f, T),
                                    f["token_to_request_idx"][:T].astype(np.int64))
         return
-    if record.kind != "decode" or not T or not meta.draft_annotation_offset or \
+    offset = record.first_row if record.first_row is not None else \
+        meta.draft_annotation_offset
+    if record.kind != "decode" or not T or not offset or \
             _draft_field(meta, "record") is not record:
         return  # with no paused rows first, the per-row starts are the active ones
     commit = _draft_field(meta, "loop_after")

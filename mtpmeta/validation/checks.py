@@ -45,10 +45,11 @@ from mtpmeta.validation.inputs import (INT32_LIMIT, as_count, as_host_counts, as
 __all__ = ["check_view_device", "check_decode_counts", "check_begin_decode",
            "check_draft_blocks", "raise_draft_block", "check_decode_view",
            "raise_position_error", "check_prefill_lengths", "check_commit_inputs",
-           "raise_commit_block"]
+           "raise_commit_block", "refuse_unallocated_inherited"]
 
 _first_bad_draft_block = native.checks.first_bad_draft_block
 _INHERITED_OUT_OF_RANGE = native.checks.INHERITED_OUT_OF_RANGE
+_first_unallocated_inherited = native.checks.first_unallocated_inherited
 
 
 # ------------------------------------------------------------ destination view
@@ -304,3 +305,19 @@ def raise_commit_block(geo: Geometry, target: ViewTarget, code: int, r: int,
     _raise_written_block("block_table", int(table[r, column]), r, column,
                          f"request {r} (positions {start}..{start + int(counts[r]) - 1})",
                          target)
+
+
+def refuse_unallocated_inherited(table: np.ndarray, inherited: np.ndarray,
+                                 counts: np.ndarray, used: Optional[np.ndarray]) -> None:
+    """Refuse an inherited count that covers an unallocated (negative) column of its
+    request's row (``native.checks.first_unallocated_inherited``): a shared prefix
+    block is allocated, so the count is wrong, and it would send the request's own KV
+    to the dummy block. A ``ValueError`` before anything is written."""
+    r, column = _first_unallocated_inherited(table, inherited, counts.shape[0],
+                                             inherited if used is None else used,
+                                             used is not None)
+    if r >= 0:
+        raise ValueError(f"inherited_blocks: request {r} inherits {int(inherited[r])} "
+                         f"blocks, but block_table[{r}, {column}] is "
+                         f"{int(table[r, column])} (unallocated): an inherited block is "
+                         "a shared prefix block the request's row holds")
