@@ -76,11 +76,11 @@ def shared_prefixes(ring: Any, tensor: Tensor, words: bool, in_zone: bool = Fals
     stage's layout) by its place in the zone."""
     key: Any = ("zone", tensor.storage_offset(), tensor.dtype, tuple(tensor.shape),
                 tensor.stride(), words) if in_zone else (id(tensor), words)
-    value = ring.shared_prefixes.get(key)
-    if value is None:
-        value = Prefixes(tensor, words, ring.shared_built)
-        ring.shared_prefixes[key] = value
-    return value
+    entry = ring.shared_prefixes.get(key)
+    if entry is None:  # (the tensor, kept alive so its id names it, its prefixes)
+        entry = (tensor, Prefixes(tensor, words, ring.shared_built))
+        ring.shared_prefixes[key] = entry
+    return entry[1]
 
 
 def copy_mode(dst: Tensor, src: Tensor) -> Tuple[bool, Any]:
