@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import operator
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Tuple
 
@@ -257,39 +258,58 @@ class ViewTarget:
 
 
 class ViewCache:
-    """Resolves destination views to ``ViewTarget``s, keeping a few recent ones.
+    """Resolves destination views to ``ViewTarget``s, keeping the ``capacity`` most
+    recently used ones (a hit moves its view to the most recent end).
 
-    ``retire`` (``DeviceLifecycle.retire``) runs before an evicted target that holds
-    device scratch drops it: work queued on any stream may still use the scratch."""
+    A target leaves the cache in one of three ways: evicted as the least recently used,
+    replaced because its view's fields were rebound, or replaced because its view died
+    and a new view got its ``id``. Each one goes through ``_drop``: a target that holds
+    device scratch is handed to ``drop`` (``DeviceLifecycle.drop``) first, since work
+    queued on any stream may still use that scratch (view writers are not
+    stream-ordered), and inside a CUDA graph capture the lifecycle keeps it instead of
+    synchronizing."""
 
-    def __init__(self, capacity: int = 8, retire: Optional[Callable[[], None]] = None) -> None:
+    def __init__(self, capacity: int = 8, drop: Optional[Callable[[Any], None]] = None
+                 ) -> None:
         self._capacity = capacity
-        self._retire = retire
-        self._entries: Dict[int, Tuple[weakref.ReferenceType | Any, ViewTarget]] = {}
+        self._drop_held = drop
+        self._entries: "OrderedDict[int, Tuple[weakref.ReferenceType | Any, ViewTarget]]" \
+            = OrderedDict()
 
     def resolve(self, gpu_view: Any, accept: Any = None) -> ViewTarget:
         """The cached target of ``gpu_view``; a new one is built, passed to ``accept``
-        (which may raise) and cached when the view is new or its fields were rebound."""
-        entry = self._entries.get(id(gpu_view))
+        (which may raise, leaving the cache as it was) and cached when the view is new
+        or its fields were rebound."""
+        key = id(gpu_view)
+        entry = self._entries.get(key)
         if entry is not None:
             ref, target = entry
             owner = ref() if isinstance(ref, weakref.ReferenceType) else ref
             if owner is gpu_view and target.still_matches(gpu_view):
+                self._entries.move_to_end(key)
                 return target
         target = ViewTarget(gpu_view)
         if accept is not None:
             accept(target)
-        if len(self._entries) >= self._capacity:
-            _, evicted = self._entries.pop(next(iter(self._entries)))
-            if self._retire is not None and (evicted.writer_scratch is not None or
-                                             evicted.token_scratch is not None):
-                self._retire()
+        if entry is not None:  # rebound fields, or a dead view's id reused
+            del self._entries[key]
+            self._drop(entry[1])
+        elif len(self._entries) >= self._capacity:
+            self._drop(self._entries.popitem(last=False)[1][1])
         try:
             ref: Any = weakref.ref(gpu_view)
         except TypeError:  # objects without __weakref__ (e.g. slotted) are held strongly
             ref = gpu_view
-        self._entries[id(gpu_view)] = (ref, target)
+        self._entries[key] = (ref, target)
         return target
 
+    def _drop(self, target: ViewTarget) -> None:
+        """The one way a target leaves the cache (class docstring)."""
+        if self._drop_held is not None and (target.writer_scratch is not None or
+                                            target.token_scratch is not None):
+            self._drop_held(target)
+
     def clear(self) -> None:
+        for _, target in self._entries.values():
+            self._drop(target)
         self._entries.clear()

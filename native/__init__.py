@@ -1,10 +1,7 @@
 """numba kernels of mtpmeta: numpy in, numpy out, never torch.
 
 Installed as ``mtpmeta.native``. Every kernel is a plain ``@njit(cache=True)`` function
-(the three ``*_threaded`` kernels, ``draft_state.used_columns_threaded`` /
-``stage_counted_inputs_threaded`` and ``counts.write_counted_rows_threaded``, add
-``parallel=True`` and run only when opted in: ``mtpmeta.kernels.table_threads``) that writes
-into pre-allocated outputs and never raises; it reports through its return value.
+that writes into pre-allocated outputs and never raises; it reports through its return value.
 Helpers named ``_*`` are inlined into the kernels of their own file.
 
 What the kernels check, and what they trust:

@@ -7,7 +7,7 @@ file's kernel (numba's on-disk cache does not track other files).
 """
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 
 @njit(cache=True)
@@ -38,27 +38,6 @@ def write_counted_rows(block_table, block_counts, num_prefill, staged, padded, d
     """
     _counted_rows(0, padded, block_table, block_counts, num_prefill, staged, dummy, fill,
                   known, known_rows, mha_block_table)
-    _absorb(num_prefill, absorb_end, block_size, dummy, mha_block_table)
-
-
-@njit(parallel=True, cache=True)
-def write_counted_rows_threaded(block_table, block_counts, num_prefill, staged, padded,
-                                dummy, fill, absorb_end, block_size, known, known_rows,
-                                mha_block_table):
-    """``write_counted_rows``, its rows split over numba's threads (``parallel=True``,
-    as many as ``numba.set_num_threads`` set on the calling thread; each row's writes
-    are its own, the absorbing request's columns after them): the same writes. Shapes
-    as there.
-
-    >>> table, known = np.zeros((3, 3), np.int64), np.zeros(3, np.int32)
-    >>> write_counted_rows_threaded(np.array([[3, 4, 5], [6, 7, 8]]), np.array([1, 2]),
-    ...                             2, 2, 3, 99, 99, -1, 4, known, 0, table)
-    >>> table.tolist(), known.tolist()
-    ([[3, 99, 99], [6, 7, 99], [-1, -1, -1]], [1, 2, 3])
-    """
-    for i in prange(padded):
-        _counted_rows(i, i + 1, block_table, block_counts, num_prefill, staged, dummy,
-                      fill, known, known_rows, mha_block_table)
     _absorb(num_prefill, absorb_end, block_size, dummy, mha_block_table)
 
 

@@ -9,7 +9,7 @@ kernels that write token maps and MHA metadata.
 """
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 
 @njit(cache=True)
@@ -180,34 +180,6 @@ def stage_counted_inputs(start_positions, table_src, block_counts, count, block_
     return True
 
 
-@njit(parallel=True, cache=True)
-def stage_counted_inputs_threaded(start_positions, table_src, block_counts, count,
-                                  block_size, dummy, width, offsets, packed,
-                                  packed_widths, packed_rows, counts_out):
-    """``stage_counted_inputs``, its rows split over numba's threads (``parallel=True``,
-    as many as ``numba.set_num_threads`` set on the calling thread; each row's writes
-    are its own): the same writes and the same return. Shapes as there.
-
-    >>> offsets, used = np.zeros(2, np.int32), np.zeros(2, np.int32)
-    >>> known, packed = np.array([2, 2], np.int32), np.full((2, 2), 99)
-    >>> table = np.array([[1, 2, 3], [4, 5, 6]])
-    >>> stage_counted_inputs_threaded(np.array([2, 10]), table, np.array([2, 1]), 2, 8,
-    ...                               -1, 3, offsets, packed, known, 2, used)
-    True
-    >>> packed.tolist(), known.tolist(), offsets.tolist()
-    ([[1, 2], [4, -1]], [2, 1], [2, 10])
-    >>> stage_counted_inputs_threaded(np.array([24, 0]), table, np.array([2, 1]), 2, 8,
-    ...                               -1, 3, offsets, packed, known, 2, used)
-    False
-    """
-    if not offsets_in_table(start_positions, count, block_size, width):
-        return False
-    for i in prange(count):
-        _stage_counted_rows(i, i + 1, start_positions, table_src, block_counts, dummy,
-                            offsets, packed, packed_widths, packed_rows, counts_out)
-    return True
-
-
 @njit(cache=True, inline='always')
 def _stage_counted_rows(first, end, start_positions, table_src, block_counts, dummy,
                         offsets, packed, packed_widths, packed_rows, counts_out):
@@ -256,25 +228,3 @@ def _row_used(table_src, i):
         if table_src[i, col] != -1:
             used = col + 1
     return used
-
-
-@njit(parallel=True, cache=True)
-def used_columns_threaded(table_src, count, counts_out):
-    """``used_columns``, its rows split over numba's threads (``parallel=True``; as
-    many as ``numba.set_num_threads`` set on the calling thread): the same
-    ``counts_out[:count]`` and the same return; run for ``mtpmeta.kernels.table_threads.THREADS``
-    above 1. table_src: int [>= count, W]; counts_out: int32 [>= count].
-
-    >>> used = np.zeros(3, np.int32)
-    >>> used_columns_threaded(np.array([[3, -1, -1], [-1, -1, -1], [4, -1, 5]]), 3, used)
-    3
-    >>> used.tolist()
-    [1, 0, 3]
-    """
-    for i in prange(count):
-        counts_out[i] = _row_used(table_src, i)
-    largest = np.int64(0)
-    for i in range(count):
-        if counts_out[i] > largest:
-            largest = np.int64(counts_out[i])
-    return largest

@@ -1,10 +1,3 @@
-import os
-
-# The opt-in table threads need a fork-safe numba threading layer, and numba keeps the
-# first layer any parallel kernel starts: a test that runs a threaded kernel directly
-# must not start GNU OpenMP first, whatever order the tests run in.
-os.environ.setdefault("NUMBA_THREADING_LAYER", "forksafe")
-
 import numpy as np
 import pytest
 import torch

@@ -84,6 +84,10 @@ def test_step_config_refuses_more_active_requests_than_slots():
 def test_bench_cli_writes_json_with_every_implementation(tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert cli_main(["bench", *SMALL_FLAGS, "--json", str(out)]) == 0
+    new_view = json.loads(out.read_text())["new_view"]
+    assert set(new_view) == {f"{call}_{when}_ms" for call in ("commit_pass", "draft_depth")
+                             for when in ("first", "warm")}
+    assert all(value > 0 for value in new_view.values())
     results = json.loads(out.read_text())["results"]
     assert {row["impl"] for row in results.values()} == {"reference", "direct", "mirror"}
     assert {(row["inputs"], row["draft"]) for row in results.values()} == {
@@ -104,6 +108,7 @@ def test_bench_cli_writes_json_with_every_implementation(tmp_path, capsys):
     captured = capsys.readouterr()
     printed = captured.out
     assert "views identical" in printed and "speed-up" in printed
+    assert "new view (mirror path, CPU, kernels warm): first commit pass" in printed
     assert "fence stalls/step" in printed
     assert "captured draft loop (capture_setup=True)" in printed
     # The default output holds no development goal: no targets, met or missed (they

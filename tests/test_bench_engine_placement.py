@@ -134,8 +134,7 @@ def test_the_engine_placement_rows_are_checked_against_the_reference(trace,
                                                                      monkeypatch):
     """check_trace's default paths replay both engine-placement paths; a patched
     replay given another context table at step 2 is caught and named."""
-    assert check_trace(STANDARD_TRACE, trace[:3], counts=(), device_inputs=False,
-                       threaded=()) is None
+    assert check_trace(STANDARD_TRACE, trace[:3], counts=(), device_inputs=False) is None
     prepare = Replay.prepare
 
     def planting(self, index, step):
@@ -147,7 +146,7 @@ def test_the_engine_placement_rows_are_checked_against_the_reference(trace,
 
     monkeypatch.setattr(Replay, "prepare", planting)
     message = check_trace(STANDARD_TRACE, trace[:3], paths=("megatron engine",),
-                          counts=(), device_inputs=False, threaded=())
+                          counts=(), device_inputs=False)
     assert message is not None and "megatron engine" in message, message
 
 

@@ -258,7 +258,7 @@ def test_cli_trace_prints_every_geometry_and_json(monkeypatch, capsys, tmp_path)
     for name in TINY_GEOMETRIES:
         assert f"trace, {name} geometry" in out
     for row in ("reference", "direct", "mirror", "captured", "mirror, device inputs",
-                "drop-in, device inputs", "mirror, 2 threads", "megatron, patched helpers"):
+                "drop-in, device inputs", "megatron, patched helpers"):
         assert f"  {row} " in out
     result = json.loads(path.read_text())["trace"]
     assert set(result) == set(TINY_GEOMETRIES)
@@ -350,8 +350,6 @@ def test_every_timed_row_is_checked_and_has_its_baseline():
                 assert row.path in arguments["paths"]
             if row.block_counts:
                 assert row.path in arguments["counts"]
-            if row.table_threads > 1:
-                assert row.path in arguments["threaded"]
 
 
 def test_verdict_names_the_patched_helpers_once_with_their_ratio_to_the_mirror_path():

@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import os
 
-import numba
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import mtpmeta.kernels.table_threads
 from mtpmeta import ContextGPUView, MTPMetadata
 from mtpmeta.bench.counters import H2DCounter, StagingRecorder
 from mtpmeta.bench.counters import OpCounter
@@ -41,9 +39,6 @@ KWARGS = config(max_requests=R, max_kv_block_count=W, block_size_tokens=BS,
                 dummy_block_idx=D)
 TOKENS = 64
 PATHS = ("direct", "mirror")
-#: ``mtpmeta.kernels.table_threads.THREADS``: the default 1, and the opt-in threaded table
-#: passes on two of numba's threads where numba has two.
-TABLE_THREADS = (1, min(2, numba.config.NUMBA_NUM_THREADS))
 
 
 def build(path: str, **overrides):
@@ -157,23 +152,18 @@ def step_inputs(rng: np.random.Generator, depths: int, width: int = W, low: int 
                                                 padded_requests)
 
 
-@pytest.mark.parametrize("threads", TABLE_THREADS)
 @pytest.mark.parametrize("width", [W, 40], ids=["W6", "W40"])  # C == W, and C < W
 @pytest.mark.parametrize("path", PATHS)
-@settings(max_examples=40, deadline=None,  # monkeypatch is only set, never relied on reset
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), modes=st.lists(
     st.tuples(st.booleans(), st.booleans()), min_size=1, max_size=5))
-def test_views_and_buffers_equal_the_oracle_with_or_without_counts(path, width, threads,
-                                                                  seed, modes,
-                                                                  monkeypatch):
+def test_views_and_buffers_equal_the_oracle_with_or_without_counts(path, width, seed,
+                                                                  modes):
     """Steps mixing begins and commits with and without counts: after every depth
     and every pass, the view, the ForwardShape and every buffer equal the reference's
     (on the masked table with counts, the raw one without), so no column past a count
     is read, the device rows hold D there, and a commit after a counted begin (or the
-    other way round) reuses no row it would not ship. The same with the packed rows
-    written on numba's threads (``table_threads``)."""
-    monkeypatch.setattr(mtpmeta.kernels.table_threads, "THREADS", threads)
+    other way round) reuses no row it would not ship."""
     rng = np.random.default_rng(seed)
     pair = Pair(path, width)
     depths = 3
@@ -416,16 +406,13 @@ def test_counted_calls_stay_within_their_op_budgets_with_no_sync_or_allocation(p
     assert ops["begin"] == {4} and ops["commit"] == {3}, ops
 
 
-@pytest.mark.parametrize("threads", TABLE_THREADS)
 @pytest.mark.parametrize("slots", [2, 3])
-def test_reused_staging_slots_never_leak_stale_blocks(slots, threads, monkeypatch):
+def test_reused_staging_slots_never_leak_stale_blocks(slots):
     """The mirror path D-fills a staging slot's packed rows only where they may be
     stale (per-slot widths, valid for one shipped width C and one writer): 60 steps on
     2 or 3 slots, each a begin (counted or plain), two depths and a commit pass
     (counted or plain), with the largest count jumping between buckets, every one equal
-    to the reference on the masked table (a stale entry past a count would show). The
-    same with the packed rows written on numba's threads (``table_threads``)."""
-    monkeypatch.setattr(mtpmeta.kernels.table_threads, "THREADS", threads)
+    to the reference on the masked table (a stale entry past a count would show)."""
     width = 40
     pair = Pair("mirror", width)
     pair.meta.allocate("cpu", mirror=True, max_tokens=TOKENS, staging_slots=slots)

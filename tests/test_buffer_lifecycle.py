@@ -21,7 +21,7 @@ from mtpmeta import ContextGPUView, MTPMetadata
 from mtpmeta.buffers.device_runtime import StreamOrder
 from mtpmeta.buffers.lifecycle import DeviceLifecycle
 from mtpmeta.reference import ReferenceGPUView, ReferenceMTPMetadata
-from tests.cuda_sim import CudaSim
+from tests.cuda_sim import CudaSim, SimGraph
 from tests.helpers import config
 from tests.test_cuda_sim import (assert_snapshots_equal, host, new_pair, random_call,
                                  view_snapshot)
@@ -209,3 +209,98 @@ def test_take_on_another_stream_reads_the_carry_of_the_last_carry(monkeypatch):
             assert stale > 0, "the scenario cannot tell an ordered take from none"
         else:
             assert stale == 0
+
+
+def _token_inputs(sim: CudaSim, rng: np.random.Generator) -> list:
+    return [upload(sim, rng.integers(0, 8, size=12).astype(np.int32)),
+            upload(sim, rng.integers(0, 24, size=12).astype(np.int32)),
+            upload(sim, rng.integers(0, 48, size=(8, 6)).astype(np.int32))]
+
+
+def _rebind(holder: list) -> ContextGPUView:
+    """A field assigned a new tensor: the view's next call resolves it again."""
+    view = holder[0]
+    view.token_to_pos_ids = view.token_to_pos_ids.clone()
+    return view
+
+
+def _replace_by_id(holder: list) -> ContextGPUView:
+    """The view (``holder``'s only reference to it) dies and a new one takes its ``id``
+    (CPython reuses the memory of a freed object for the next of its size); the
+    objects made on the way stay alive in ``holder`` so they cannot take it."""
+    key = id(holder.pop())
+    for _ in range(100_000):
+        new = object.__new__(ContextGPUView)  # only the object: nothing else allocated
+        if id(new) == key:
+            new.__init__(8, 64, 6)
+            return new
+        holder.append(new)
+    pytest.fail("no new view reused the dead view's id")
+
+
+@pytest.mark.parametrize("resolve_again", [_rebind, _replace_by_id],
+                         ids=["field rebound", "id reused"])
+def test_re_resolved_view_scratch_is_not_freed_under_work_queued_on_another_stream(
+        lifecycle_off, resolve_again):
+    """A device-route ``write_token_maps`` makes its view's token scratch on the default
+    stream and queues a second write through it on stream b; then the view is resolved
+    again (a field rebound, or a new view under the dead view's id), which drops the
+    old target and its scratch while b may still use it."""
+    unsafe = 0
+    for seed in SEEDS[:4]:
+        rng = np.random.default_rng(seed)
+        sim = CudaSim(seed, idle=1.0)
+        with sim:
+            meta, _, [(view, _)] = new_pair(sim)
+            inputs = _token_inputs(sim, rng)
+            sim.synchronize()
+            before = {storage._cdata for storage in sim._keep}
+            meta.write_token_maps(view, *inputs, 16)  # the scratch is made here
+            sim.synchronize()
+            scratch = [storage for storage in sim._keep if storage._cdata not in before]
+            with sim.stream(sim.Stream("b")):
+                meta.write_token_maps(view, *inputs, 16)
+            other = ContextGPUView(8, 64, 6)  # becomes last_forward's view instead
+            meta.write_token_maps(other, host(np.zeros(2, np.int32)),
+                                  host(np.zeros(2, np.int32)),
+                                  host(np.zeros((8, 6), np.int32)), 2)
+            holder = [view]
+            del view
+            again = resolve_again(holder)
+            meta.write_token_maps(again, *inputs, 16)  # resolves it again
+            assert scratch
+            for storage in scratch:  # the replaced target's scratch goes
+                sim.free(torch.empty(0, dtype=torch.uint8).set_(storage))
+            unsafe += len(sim.unsafe_frees)
+            sim.synchronize()
+    _expect(unsafe, lifecycle_off)
+
+
+def test_view_scratch_dropped_inside_a_capture_waits_for_the_next_sync_outside_it():
+    """A captured draft depth resolves a view whose field was rebound while its old
+    target holds device scratch: dropping that scratch may not synchronize inside the
+    capture (CUDA refuses it), so the lifecycle keeps the old target until the next
+    synchronize outside the capture, and the scratch is freed only after it."""
+    rng = np.random.default_rng(5)
+    sim = CudaSim(5, idle=1.0)
+    with sim:
+        meta, _, [(view, _)] = new_pair(sim)
+        meta.write_token_maps(view, *_token_inputs(sim, rng), 16)  # token scratch
+        lifecycle = meta._backend.lifecycle
+        target = meta._target(view)
+        scratch = target.token_scratch
+        assert scratch is not None
+        del target
+        meta.begin_decode_for_capture(6, capture_setup=True)
+        sim.synchronize()
+        syncs = sim.syncs
+        view.mha_block_table = view.mha_block_table.clone()  # rebound before the capture
+        with sim.capture(SimGraph()):
+            meta.setup_decode_step(view)  # resolves it again, in the capture
+            meta.advance_decode_step()
+        assert sim.syncs == syncs, sim.sync_reasons[syncs:]
+        assert lifecycle.holding == 1
+        meta.end_forward()
+        meta.allocate("cpu", mirror=True)  # a synchronize outside a capture
+        assert lifecycle.holding == 0
+        sim.synchronize()

@@ -27,7 +27,7 @@ def _no_work(*args, **kwargs):
 @pytest.fixture
 def no_work(monkeypatch):
     """Every entry into real work of either command fails the test."""
-    for name in ("make_steps", "check_identical", "measure", "cold_start"):
+    for name in ("make_steps", "check_identical", "measure", "cold_start", "new_view_cost"):
         monkeypatch.setattr(bench_cli, name, _no_work)
     monkeypatch.setattr(simulate_cli, "run_path", _no_work)
 

@@ -26,11 +26,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mtpmeta.mirror.counted
-import mtpmeta.kernels.table_threads
 from mtpmeta import ContextGPUView, MTPMetadata
 from mtpmeta.bench.counters import OpCounter
 from mtpmeta.reference import ReferenceGPUView, ReferenceMTPMetadata
-from tests.test_block_counts import TABLE_THREADS, step_inputs
+from tests.test_block_counts import step_inputs
 from tests.helpers import (assert_buffers_equal, assert_same_state, assert_views_equal,
                            buffer_state, config, view_state)
 
@@ -68,19 +67,17 @@ def _table(rng: np.random.Generator, width: int, used: np.ndarray) -> np.ndarray
     return table
 
 
-@pytest.mark.parametrize("threads", TABLE_THREADS)
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 @settings(max_examples=40, deadline=None,  # monkeypatch is only set, never relied on reset
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**32 - 1), steps=st.integers(1, 5))
-def test_packed_begins_equal_the_reference_on_the_raw_table(dtype, threads, seed, steps,
+def test_packed_begins_equal_the_reference_on_the_raw_table(dtype, seed, steps,
                                                            monkeypatch):
     """Begins (by used columns, all of them for a row without a -1 tail), depths, advances and
     commit passes on the begin's table: the view, the ForwardShape and every buffer
     equal the reference's after each call; where a whole-row begin's depth is refused
     (a -1 block written), the packed one is refused with the same message, nothing
     changed."""
-    monkeypatch.setattr(mtpmeta.kernels.table_threads, "THREADS", threads)
     rng = np.random.default_rng(seed)
     width = int(rng.choice([6, 40]))
     meta, view, ref, ref_view = _pair(width, dtype)
@@ -245,18 +242,16 @@ def test_the_default_route_needs_both_thresholds(rows, width, derived):
     assert np.array_equal(meta.block_table[:n].numpy(), table[:n])
 
 
-@pytest.mark.parametrize("threads", TABLE_THREADS)
 @pytest.mark.parametrize("width", [6, 40])
 @settings(max_examples=60, deadline=None,  # monkeypatch is only set, never relied on reset
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**32 - 1), passes=st.integers(1, 6))
-def test_packed_commit_passes_equal_the_reference_on_the_raw_table(width, threads, seed,
-                                                                  passes, monkeypatch):
+def test_packed_commit_passes_equal_the_reference_on_the_raw_table(width, seed, passes,
+                                                                  monkeypatch):
     """Commit passes (spans, starts, inherited blocks, pad tokens and requests, full
     batches whose last request absorbs the pad) on raw tables with -1 past each row's
     blocks: the view and every buffer equal the reference's; where a whole-row pass is
     refused, the packed one is refused with the same message, nothing changed."""
-    monkeypatch.setattr(mtpmeta.kernels.table_threads, "THREADS", threads)
     rng = np.random.default_rng(seed)
     meta, view, ref, ref_view = _pair(width, torch.int32)
     whole, whole_view, _, _ = _pair(width, torch.int32)

@@ -544,13 +544,11 @@ def test_matching_rows_matches_naive(rng):
     assert full and partial
 
 
-@pytest.mark.parametrize("kernel", ["used_columns", "used_columns_threaded"])
-def test_used_columns_matches_naive(rng, kernel):
+def test_used_columns_matches_naive(rng):
     """A wide default-route call ships each row only up to this count and -1 past it:
     a count one short drops a real block (a wrong block read), and one that misses a
-    block after a -1 hole, or in the last column, does too. The threaded scan (the
-    opt-in ``SCAN_THREADS``; its rows on numba's threads) returns the same."""
-    scan = getattr(native.draft_state, kernel)
+    block after a -1 hole, or in the last column, does too."""
+    scan = native.draft_state.used_columns
     holes = last = 0
     for _ in range(4 * CASES):
         num_rows, width, _ = geometry(rng)

@@ -255,64 +255,91 @@ def _count_prefix_builds(monkeypatch):
     return builds
 
 
-def test_a_new_real_token_count_builds_no_prefix(monkeypatch):
-    """A commit stage builds the prefixes of its real-token roles (request index,
-    position, pos id) for every token count when it is built, so commit passes whose
-    real token count T is new each time (P, padded tokens and requests fixed) build
-    nothing after the first; each view equals the reference's (pad tokens' request,
-    position and pos id are never written, so a copy over more than T would show)."""
-    from mtpmeta.mirror.commit_stage import PREBUILT_TOKENS
+def _commit(o, target, total: int, requests: int, table, starts) -> None:
+    counts = np.full(requests, total // requests, dtype=np.int32)
+    counts[:total % requests] += 1
+    o.setup_commit_pass(target, counts, table, start_positions=starts,
+                        padded_token_count=TOKENS, padded_request_count=requests + 1)
+    o.end_forward()
 
-    assert TOKENS <= PREBUILT_TOKENS
+
+def _shared_sources(meta):
+    """The forward ring's prefixes that every view's stages share, and their builds."""
+    ring = meta._backend.forward.ring
+    return ring.shared_prefixes, ring.shared_built
+
+
+def test_real_token_counts_build_prefixes_once_and_views_share_their_sources(
+        monkeypatch):
+    """Commit passes of every real token count T below the padded one (each pass has
+    pad tokens): a view's first pass builds only the prefixes of its own counts (a
+    handful, not one per possible T), the first pass at a new T builds that T's,
+    and the same Ts again build none. A second view builds only its own destination
+    prefixes: the sources' (the ring's zone, the persistent buffers) are shared. Each
+    view equals the reference's (pad tokens' request, position and pos id are never
+    written, so a copy over more than T would show)."""
     meta, ref, view, ref_view = _mirror_and_reference(R, W)
     table = np.arange(R * W, dtype=np.int32).reshape(R, W)
     requests = 4
     builds = _count_prefix_builds(monkeypatch)
     rng = np.random.default_rng(3)
-    # Every real token count below the padded one (each pass has pad tokens).
-    totals = [requests] + list(rng.permutation(np.arange(requests + 1, TOKENS)))
-    for index, total in enumerate(totals):
-        counts = np.full(requests, total // requests, dtype=np.int32)
-        counts[:total % requests] += 1
-        starts = rng.integers(0, BS, size=requests).astype(np.int32)
-        for o, target in ((meta, view), (ref, ref_view)):
-            o.setup_commit_pass(target, counts, table, start_positions=starts,
-                                padded_token_count=TOKENS,
-                                padded_request_count=requests + 1)
-            o.end_forward()
-        assert_views_equal(view, ref_view)
-        if index == 0:
-            assert builds[0] > 0  # the request-count roles' prefixes
-            builds[0] = 0
-    assert builds[0] == 0, builds
+    totals = [int(t) for t in rng.permutation(np.arange(requests, TOKENS))]
+    starts = rng.integers(0, BS, size=requests).astype(np.int32)
+    second = make_view("context", R, TOKENS, W)
+    second_ref = make_view("reference", R, TOKENS, W)
+    for target, ref_target in ((view, ref_view), (second, second_ref)):
+        shared, shared_built = _shared_sources(meta)
+        sources_before = shared_built[0]
+        for sweep in range(2):
+            for index, total in enumerate(totals):
+                builds[0] = 0
+                for o, t in ((meta, target), (ref, ref_target)):
+                    _commit(o, t, total, requests, table, starts)
+                assert_views_equal(target, ref_target)
+                if sweep:
+                    assert builds[0] == 0, (total, builds)
+                else:
+                    # its own counts only: fewer than one per possible T
+                    assert builds[0] < len(totals), (index, total, builds)
+        if target is second:
+            assert shared_built[0] == sources_before, "a second view rebuilt sources"
 
 
-def test_a_new_row_count_builds_no_prefix(monkeypatch):
-    """A depth stage builds the prefixes of its roles placed over the real row count n
-    (request index, position, pos id, table rows, persistent query/KV lengths) for
-    every n when it is built, and the allocation every draft loop's active views and
-    begin copies: draft loops of a new n each (padded count fixed) build no prefix, no
-    active view and no begin pair after the first; views and buffers equal the
-    reference's after each."""
+def test_row_counts_build_prefixes_once_and_views_share_their_sources(monkeypatch):
+    """Draft loops of every row count n (padded count fixed): the first loop at a new n
+    builds only that n's prefixes, the same n again builds none (nor an active view or
+    a begin pair); a second view's loops build no source prefix (the ring's zone and
+    the persistent buffers are shared). Views and buffers equal the reference's."""
     meta, ref, view, ref_view = _mirror_and_reference(R, W)
     table = np.arange(R * W, dtype=np.int32).reshape(R, W)
     builds = _count_prefix_builds(monkeypatch)
     rng = np.random.default_rng(4)
     backend = meta._backend
-    for index, n in enumerate([1] + list(rng.permutation(np.arange(2, R + 1)))):
-        starts = rng.integers(0, (W - 1) * BS, size=n).astype(np.int32)
-        if index == 1:
-            builds[0] = 0
-            cached = (len(meta._memo.active), _view_keys(backend))
-        for o, target in ((meta, view), (ref, ref_view)):
-            o.begin_decode(int(n), R, starts, table, False)
-            for _ in range(2):
-                o.setup_decode_step(target)
-                o.advance_decode_step()
-            o.end_forward()
-        assert_views_equal(view, ref_view)
-        assert_buffers_equal(meta, ref)
-    assert builds[0] == 0, builds
+    rows = [1] + [int(n) for n in rng.permutation(np.arange(2, R + 1))]
+    second = make_view("context", R, TOKENS, W)
+    second_ref = make_view("reference", R, TOKENS, W)
+    cached = None
+    for target, ref_target in ((view, ref_view), (second, second_ref)):
+        _, shared_built = _shared_sources(meta)
+        sources_before = shared_built[0]
+        for sweep in range(2):
+            for n in rows:
+                builds[0] = 0
+                starts = rng.integers(0, (W - 1) * BS, size=n).astype(np.int32)
+                for o, t in ((meta, target), (ref, ref_target)):
+                    o.begin_decode(n, R, starts, table, False)
+                    for _ in range(2):
+                        o.setup_decode_step(t)
+                        o.advance_decode_step()
+                    o.end_forward()
+                assert_views_equal(target, ref_target)
+                assert_buffers_equal(meta, ref)
+                if sweep:
+                    assert builds[0] == 0, (n, builds)
+            if cached is None:
+                cached = (len(meta._memo.active), _view_keys(backend))
+        if target is second:
+            assert shared_built[0] == sources_before, "a second view rebuilt sources"
     assert len(meta._memo.active) == cached[0]
     new_keys = _view_keys(backend) - cached[1]
     # Only the begin's H2D views (per slot and bucket) may be new.

@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from mtpmeta.bench.measure import cold_start, load_now, machine_load, measure, \
+from mtpmeta.bench.measure import cold_start, load_now, machine_load, measure, new_view_cost, \
     measure_captured
 from mtpmeta.bench.report import LEGEND, PROG, TARGETS_NOTE, format_captured, install_hint, \
     load_lines, note, spread_line, table, target_lines, verdict_line
@@ -227,6 +227,14 @@ def main(argv: Optional[List[str]] = None) -> int:
               f"with an empty numba cache (compiling {cold['cache_files_written']} cache "
               f"files), {cold['warm_s']:.2f} s with it warm (median of "
               f"{len(cold['warm_runs_s'])}): {cold['compile_s']:.2f} s of compilation")
+    if on_cpu:
+        note("new view: its first commit pass and draft depth, the kernels warm")
+        views = output["new_view"] = new_view_cost(config, steps)
+        print("new view (mirror path, CPU, kernels warm): first commit pass "
+              f"{views['commit_pass_first_ms']:.2f} ms, warm "
+              f"{views['commit_pass_warm_ms']:.2f} ms; first draft depth "
+              f"{views['draft_depth_first_ms']:.2f} ms, warm "
+              f"{views['draft_depth_warm_ms']:.2f} ms")
     if args.instructions:
         from mtpmeta.bench.instructions import count_step_instructions, format_instructions
 

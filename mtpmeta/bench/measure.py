@@ -28,10 +28,13 @@ import torch
 from mtpmeta.bench.counters import OpCounter
 from mtpmeta.bench.variants import TorchFloorInputs, Variant, build, floor_inputs, \
     floor_step, implementations, inputs_of, variants
-from mtpmeta.bench.workload import StepConfig, StepInputs, run_draft, run_step, run_step_groups
+from mtpmeta.bench.workload import StepConfig, StepInputs, run_commit, run_draft, run_step, \
+    run_step_groups
+from mtpmeta.gpu_view import ContextGPUView
 from mtpmeta.mirror.captured_route import ADVANCE_OPS, DEPTH_OPS
 
-__all__ = ["measure", "measure_captured", "cuda_syncs", "cold_start", "load_now",
+__all__ = ["measure", "measure_captured", "cuda_syncs", "cold_start", "new_view_cost",
+           "load_now",
            "machine_load"]
 
 _COLD_START = """
@@ -312,6 +315,40 @@ def cold_start(config: StepConfig, warm_runs: int = 3) -> Dict[str, Any]:
     warm = statistics.median(times[1:]) if warm_runs else float("nan")
     return {"cold_s": times[0], "warm_s": warm, "warm_runs_s": times[1:],
             "compile_s": times[0] - warm, "cache_files_written": cached_files}
+
+
+def new_view_cost(config: StepConfig, steps: List[StepInputs],
+                  repeats: int = 5) -> Dict[str, float]:
+    """ms of a new view's first commit pass and first draft depth on the mirror path
+    (CPU), the kernels and the object warm from ``steps`` on another view, beside the
+    same call on that view once warm (best of ``repeats``): what an engine pays for each
+    view it brings (a CUDA-graph bucket's, a debug view)."""
+    meta, view = build("mirror", config, torch.device("cpu"))
+    for inputs in steps:
+        run_step(meta, view, inputs, config)
+    inputs = steps[0]
+
+    def commit(target: Any) -> float:
+        start = time.perf_counter()
+        run_commit(meta, target, inputs)
+        return (time.perf_counter() - start) * 1e3
+
+    def depth(target: Any) -> float:
+        meta.begin_decode(config.active, config.padded_active, inputs.start_positions,
+                          inputs.block_table, config.graphed)
+        start = time.perf_counter()
+        meta.setup_decode_step(target)
+        elapsed = (time.perf_counter() - start) * 1e3
+        meta.end_forward()
+        return elapsed
+
+    out: Dict[str, float] = {}
+    for name, call in (("commit_pass", commit), ("draft_depth", depth)):
+        target = ContextGPUView(config.max_requests, config.max_tokens,
+                                config.block_columns)
+        out[f"{name}_first_ms"] = call(target)
+        out[f"{name}_warm_ms"] = min(call(target) for _ in range(repeats))
+    return out
 
 
 def load_now() -> Optional[float]:

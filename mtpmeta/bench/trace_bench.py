@@ -23,8 +23,7 @@ placement``), every read-back answered from the trace and counted, with its byte
 ``captured`` the opt-in captured draft loop (contract §12), ``megatron, patched
 helpers`` an engine on upstream's call sites after ``mtpmeta.integrations.megatron.
 patch()`` (the context's helpers, one fused call each), ``block counts`` the
-opt-in ``block_counts=`` (contract §5), ``2 threads`` the opt-in table threads
-(``MTPMETA_TABLE_THREADS``), ``device inputs`` passing the draft loop's inputs as
+opt-in ``block_counts=`` (contract §5), ``device inputs`` passing the draft loop's inputs as
 device tensors, ``drop-in`` keeping upstream's call sites with mtpmeta's writers; the
 W 8192 geometry shows whether host cost follows the blocks in use or the table's width.
 
@@ -73,8 +72,7 @@ CHECK_STEPS = {"production W 8192": 4}
 class TraceRow:
     """One timed row: ``path`` (a name in ``trace_replay.PATHS``) on ``device``, with
     the draft loop's inputs as device tensors (``device_inputs``), the calls given the
-    step's ``block_counts``, on ``table_threads`` table threads; timed on the
-    ``geometries`` named. Its baseline is the reference row of the same device and
+    step's ``block_counts``; timed on the ``geometries`` named. Its baseline is the reference row of the same device and
     inputs, which must be in ``ROWS`` for those geometries."""
 
     label: str
@@ -82,7 +80,6 @@ class TraceRow:
     device: str = "meta"
     device_inputs: bool = False
     block_counts: bool = False
-    table_threads: int = 1
     geometries: Tuple[str, ...] = ALL
     baseline: str = ""  # the reference row's label, when not the default's
 
@@ -114,11 +111,6 @@ ROWS = (
     TraceRow("mirror, block counts", "mirror", block_counts=True),
     TraceRow("captured, block counts", "captured", block_counts=True,
              geometries=("standard", "production")),
-    TraceRow("mirror, 2 threads", "mirror", table_threads=2, geometries=("production",)),
-    TraceRow("captured, 2 threads", "captured", table_threads=2,
-             geometries=("production",)),
-    TraceRow("mirror, counts, 2 threads", "mirror", block_counts=True, table_threads=2,
-             geometries=("production",)),
     TraceRow("reference, device inputs", "reference", device_inputs=True,
              geometries=("standard",)),
     TraceRow("mirror, device inputs", "mirror", device_inputs=True,
@@ -196,7 +188,7 @@ def _replay(row: TraceRow, config: TraceConfig, known: Dict[str, List[List[int]]
     return Replay(row.path, config, torch.device(row.device),
                   table_device=row.device if row.device_inputs else "cpu",
                   known=known.get(sequence) if row.device == "meta" else None,
-                  counts=row.block_counts, table_threads=row.table_threads)
+                  counts=row.block_counts)
 
 
 def _runtime_calls(row: TraceRow, config: TraceConfig, trace: List[TraceStep],
@@ -256,7 +248,7 @@ def measure_trace(config: TraceConfig, steps: int, *, repeats: int = 5, seed: in
                    "device_inputs": row.device_inputs, "baseline": row.baseline_key,
                    "median_us": statistics.median(per_step),
                    "p90_us": float(np.percentile(per_step, 90)), **counts[row.key],
-                   "block_counts": row.block_counts, "table_threads": row.table_threads,
+                   "block_counts": row.block_counts,
                    "runtime_calls": _runtime_calls(row, config, inputs[row.key], known)}
             if row.device == "meta":
                 out["launch_estimate_us"] = out["median_us"] + LAUNCH_US * out[
@@ -276,7 +268,6 @@ def _check_arguments(rows: Tuple[TraceRow, ...]) -> Dict[str, Any]:
     paths = tuple(dict.fromkeys(row.path for row in rows if row.path != "reference"))
     return {"paths": paths,
             "counts": tuple(dict.fromkeys(r.path for r in rows if r.block_counts)),
-            "threaded": tuple(dict.fromkeys(r.path for r in rows if r.table_threads > 1)),
             "device_inputs": any(r.device_inputs and r.path == "mirror" for r in rows)}
 
 

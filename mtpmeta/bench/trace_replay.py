@@ -27,10 +27,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-import numba
 import torch
 
-from mtpmeta.kernels import table_threads
 from mtpmeta.reference import ReferenceMTPMetadata
 from mtpmeta.buffers.device_runtime import TorchRuntime, get_runtime, use_runtime
 from mtpmeta.bench.engine_context import EngineContext
@@ -148,8 +146,8 @@ class Replay:
 
     def __init__(self, path: str, config: TraceConfig, device: torch.device,
                  table_device: str = "cpu", known: Optional[List[List[int]]] = None,
-                 depths: bool = False, counts: bool = False, masked: Any = False,
-                 table_threads: int = 1) -> None:
+                 depths: bool = False, counts: bool = False, masked: Any = False
+                 ) -> None:
         self.path, self.config = path, config
         # the patched helpers' read-backs of the client's device inputs, answered
         self.runtime = PlacementRuntime(get_runtime()) if path == "megatron engine" else None
@@ -159,7 +157,6 @@ class Replay:
         # the Megatron helpers pass the context's block counts to the commit pass only
         # (``patch()``'s default; the engine-placement rows choose by ``counts``)
         self.commit_counts = path in ENGINE_PATHS or (path in PLACEMENT_PATHS and counts)
-        self.table_threads = table_threads  # table_threads.THREADS for its steps
         self.empty = self.meta.dummy_block_idx if masked else -1  # past the blocks
         self.table = torch.full((config.max_requests, config.block_columns), self.empty,
                                 dtype=torch.int32)
@@ -196,9 +193,7 @@ class Replay:
             self.draft_table.fill_(self.draft_empty)
 
     def prepare(self, index: int, step: TraceStep) -> None:
-        """Untimed: this step's table rows, the reference's known read-backs, and the
-        table threads of the mirror path's steps (``table_threads.THREADS``)."""
-        table_threads.THREADS = self.table_threads
+        """Untimed: this step's table rows and the reference's known read-backs."""
         if step.table_rows.numel():
             values = step.table_values
             if self.empty != -1:
@@ -336,30 +331,20 @@ def check_trace(config: TraceConfig, trace: List[TraceStep],
                 paths: Tuple[str, ...] = ("direct", "mirror", "captured", "drop-in",
                                           "megatron", "upstream engine", "megatron engine"),
                 counts: Tuple[str, ...] = ("direct", "mirror", "captured"),
-                device_inputs: bool = True,
-                threaded: Tuple[str, ...] = ("mirror", "captured")) -> Optional[str]:
+                device_inputs: bool = True) -> Optional[str]:
     """Replay ``trace`` on the CPU through the reference and ``paths`` (the captured
     path's depths run eagerly), the mirror path with device inputs (``mirror, device
     inputs``, with ``device_inputs``), the ``counts`` paths with block counts against
-    the reference on the table with the dummy block past the counts, and the
-    ``threaded`` paths (with block counts too where ``counts`` has them) on two table
-    threads (``mtpmeta.kernels.table_threads``, where numba has two). Describe the first step
-    where one's view or persistent buffers differ from its reference's, or None."""
+    the reference on the table with the dummy block past the counts. Describe the first
+    step where one's view or persistent buffers differ from its reference's, or None."""
     cpu = torch.device("cpu")
-    threads = min(2, numba.config.NUMBA_NUM_THREADS)
     replays = {path: Replay(path, config, cpu, depths=True)
                for path in ("reference",) + paths}
-    for path in threaded:
-        replays[f"{path}, 2 threads"] = Replay(path, config, cpu, depths=True,
-                                               table_threads=threads)
     if counts:
         replays["reference, masked"] = Replay("reference", config, cpu, masked=True)
         for path in counts:
             replays[f"{path}, block counts"] = Replay(path, config, cpu, depths=True,
                                                       counts=True)
-        for path in set(counts) & set(threaded):
-            replays[f"{path}, block counts, 2 threads"] = Replay(
-                path, config, cpu, depths=True, counts=True, table_threads=threads)
     if device_inputs:
         replays["mirror, device inputs"] = _device_input_replay(config, trace)
     if any(replay.commit_counts for replay in replays.values()):

@@ -34,8 +34,6 @@ def checked_line(name: str, steps: int, arguments: Dict[str, Any]) -> str:
     paths = ", ".join(arguments["paths"])
     extras = [f"{', '.join(arguments['counts'])} with block counts"] \
         if arguments["counts"] else []
-    if arguments["threaded"]:
-        extras.append(f"{', '.join(arguments['threaded'])} on two table threads")
     if arguments["device_inputs"]:
         extras.append("mirror with device inputs")
     more = f" (and {'; '.join(extras)})" if extras else ""

@@ -71,7 +71,7 @@ def measure_sweep(widths: Sequence[int], steps: int, repeats: int, seed: int = 0
              f"on {min(steps, CHECK_STEPS)} steps")
         mismatch = trace_replay.check_trace(
             config, make_trace(config, min(steps, CHECK_STEPS), seed=seed),
-            paths=("mirror",), counts=("mirror",), device_inputs=False, threaded=())
+            paths=("mirror",), counts=("mirror",), device_inputs=False)
         if mismatch:
             print(f"mtpmeta bench: RESULTS DIFFER (W {width}): {mismatch}",
                   file=sys.stderr, flush=True)

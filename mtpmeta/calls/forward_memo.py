@@ -47,7 +47,7 @@ class ForwardMemo:
                  lifecycle: DeviceLifecycle) -> None:
         self._buffers = buffers
         self._geometry = geometry
-        self._views = ViewCache(retire=lifecycle.retire)
+        self._views = ViewCache(drop=lifecycle.drop)
         # The last resolved view: (weakref to it, its target, the target's generation).
         # It skips the cache's lookup, its weakref and bound-method setup.
         self._last_view: Optional[Tuple[Any, ViewTarget, Optional[int]]] = None

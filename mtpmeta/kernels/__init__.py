@@ -2,7 +2,7 @@
 
 ``native`` (``loader``) is the kernels' package; ``entry`` calls a kernel without its
 dispatcher and passes its optional arrays; ``counted`` runs the block-count kernels of a
-commit pass; ``table_threads`` splits the table passes over numba's threads (opt-in).
+commit pass.
 Nothing here imports torch-side modules of the library: the layers above call in.
 """
 

@@ -9,7 +9,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from mtpmeta.kernels import native, table_threads
+from mtpmeta.kernels import native
 from mtpmeta.kernels.entry import kernel_optional
 
 __all__ = ["column_bucket", "first_row_past_packed", "counted_commit", "MIN_BUCKET"]
@@ -70,7 +70,7 @@ def counted_commit(counts: np.ndarray, starts: Optional[np.ndarray], table: np.n
     if pad_tokens > 0 and result[1] == num_prefill and num_prefill:
         start = 0 if starts is None else int(starts[num_prefill - 1])
         absorb = start + int(counts[num_prefill - 1])
-    table_threads.write_counted_rows(table, block_counts, num_prefill, result[1],
+    native.counts.write_counted_rows(table, block_counts, num_prefill, result[1],
                                      result[2], dummy, dummy if fill is None else fill,
                                      absorb, block_size, known, known_rows, table_rows)
     return result

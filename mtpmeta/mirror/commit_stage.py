@@ -8,9 +8,10 @@ loop's ``begin_decode`` landed) and ``[d:r]`` from the shadow; the persistent qu
 lengths ``[:m]``. The table rows sit last, so the H2D copy ends at the rows the pass
 writes.
 
-``T`` is new at almost every step, so the stage builds the prefixes of its three
-real-token roles for every ``T <= min(cap, PREBUILT_TOKENS)`` when it is built (six
-views per token: 65-95 ms for 4,096).
+``T`` is new at almost every step; the prefixes of its three real-token roles are
+built on first use (``stages``): the sources' once per ring for every view, the view's
+own per view, so a new view's first pass builds only its own counts' views (building
+all 4,096 ahead would cost 65-95 ms per view).
 
 With block counts (``counted``), ``flush_counted`` ships packed ``[m, C]`` rows into
 the slot's own device stage, completes whole rows from device blocks of one value,
@@ -30,13 +31,9 @@ from mtpmeta.mirror.copy_plan import word_view
 from mtpmeta.mirror.prefixes import Prefixes
 from mtpmeta.mirror.stages import (ALIGN, LENGTHS, PAD_ROWS, PADDED, REAL_ROLES,
                                    REAL_ROWS, SUMMED, SUMS, TABLE, COMMON, FixedStage,
-                                   copy_mode)
+                                   copy_mode, shared_prefixes)
 
-__all__ = ["CommitStage", "PREBUILT_TOKENS"]
-
-#: A commit stage builds the prefixes ``[:T]`` of its three real-token roles for every
-#: ``T`` up to this many tokens when it is built (module docstring).
-PREBUILT_TOKENS = 4096
+__all__ = ["CommitStage"]
 # Memory order: request fields, token fields, then the table rows the H2D copy ends in.
 _ORDER = LENGTHS + SUMS + REAL_ROWS + PAD_ROWS + (TABLE,)
 # The roles by the length they are placed over: padded tokens, real tokens, request
@@ -67,7 +64,7 @@ class CommitStage(FixedStage):
         words, group = copy_mode(table,
                                  self.layout.tensors(ring.device_slots[0]).mha_block_table)
         self._rows_view = Prefixes(table, words, self._counter)
-        self._rows_src = Prefixes(self._zone.mha_block_table, words, self._counter)
+        self._rows_src = shared_prefixes(ring, self._zone.mha_block_table, words, True)
         self._table_field = table  # the view's mha_block_table [R, W]
         self._counted_groups: List[int] = []  # distinct groups of flush_counted rows
         # (slot, C) -> (the view's mha_block_table[:, :C], the slot's staged table
@@ -101,7 +98,7 @@ class CommitStage(FixedStage):
             cap = (ring.slot_bytes - bare.nbytes - ALIGN * 5) // per_token
             if cap < max_requests or layout(cap).nbytes > ring.slot_bytes:
                 return None
-        return cls(target, ring, buffers, cap, requests, device_table)._prebuilt_tokens()
+        return cls(target, ring, buffers, cap, requests, device_table)
 
     @staticmethod
     def _entries(target: ViewTarget, cap: int, requests: int) -> tuple:
@@ -110,11 +107,6 @@ class CommitStage(FixedStage):
         dtypes = ViewFields(*(tensor.dtype for tensor in target.fields))
         by_name = {e[0]: e for e in view_entries(requests, cap, target.width, dtypes)}
         return tuple(by_name[name] for name in _ORDER)
-
-    def _prebuilt_tokens(self) -> "CommitStage":
-        """This stage with every prefix of its real-token roles built (up to
-        ``PREBUILT_TOKENS`` tokens; module docstring), returned."""
-        return self._prebuilt(min(self.cap, PREBUILT_TOKENS))
 
     def flush(self, slot: int, tokens: int, real_tokens: int, requests: int,
               staged_count: int, device_rows: int) -> None:

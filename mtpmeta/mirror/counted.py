@@ -17,7 +17,7 @@ commit ships a bucketed end (``CommitStage._packed_end``).
   ``C = W`` the rows are ``block_table[:n]``'s layout and land there: 2). The
   packed rows are the draft loop's host truth (``host_block_table``, ``[n, C]``: the
   used entries, ``D`` up to ``C``; the columns past ``C`` hold ``D`` by definition),
-  kept so at O(used) cost by per-slot widths (``table_threads.stage_counted_inputs``:
+  kept so at O(used) cost by per-slot widths (``stage_counted_inputs``:
   each row's last count, valid while the begin ring's mark of the slot names this
   route at the same ``C`` and fill; a plain begin, which writes the slot at width
   ``W``, drops the mark). ``reuse_table`` then holds no rows a commit may take
@@ -34,7 +34,7 @@ Derived counts (the default route, no counts passed): a begin or commit pass who
 table has at least ``DERIVED_MIN_ENTRIES`` entries (``n * W``, ``P * W``) and at
 least ``DERIVED_MIN_WIDTH`` columns (``derives``) takes
 each row's count from the table itself, the columns before its trailing run of -1
-(``table_threads.used_columns``: one read of the rows, at read bandwidth), so the
+(``native.draft_state.used_columns``: one read of the rows, at read bandwidth), so the
 host writes only those columns, not whole rows; the device table and the view stay the
 caller's bit for bit.
 
@@ -50,9 +50,6 @@ caller's bit for bit.
   rows, whole rows of -1 from the device block of -1 (of ``D`` for the pad request),
   3 data ops; no row is reused from the device. A token that writes a -1 column is
   refused as on whole rows (the pass's checks read the caller's table).
-
-The scan and the packed-row copies run on the calling thread, or on numba's threads
-when opted in (``mtpmeta.kernels.table_threads``).
 
 Rows that use most of the width are written the same way (``C`` may reach ``W``):
 their read is done, and no write exceeds a copy's. A commit pass takes the whole-row
@@ -72,7 +69,7 @@ from mtpmeta.buffers import persistent
 from mtpmeta.buffers.bounded_cache import BoundedCache
 from mtpmeta.buffers.persistent import PersistentBuffers
 from mtpmeta.gpu_view import ViewTarget
-from mtpmeta.kernels import native, table_threads
+from mtpmeta.kernels import native
 from mtpmeta.kernels.counted import column_bucket, counted_commit, first_row_past_packed
 from mtpmeta.mirror.begin_staging import BeginStaging
 from mtpmeta.mirror.commit_stage import CommitStage
@@ -168,7 +165,7 @@ class CountedRoute:
         counted begin with each row's used columns as its count and -1 past them, so
         the device table is the caller's bit for bit and only ``[n, C]`` rows cross."""
         used = self.counts
-        largest = table_threads.used_columns(table_src, count, used)
+        largest = native.draft_state.used_columns(table_src, count, used)
         return self.begin(count, start_positions, table_src, used, host_offsets, -1,
                           int(largest))
 
@@ -228,7 +225,7 @@ class CountedRoute:
         packed = staged.block_table.reshape(-1)[:count * columns].reshape(count, columns)
         mark = (begin.table_at, self, columns, fill)
         known = self._known_rows[slot] if ring.last_mark == mark else 0
-        table_threads.stage_counted_inputs(
+        native.draft_state.stage_counted_inputs(
             start_positions, table_src, block_counts, count, self.block_size, fill,
             self._width, head_np[1:], packed, self._widths[slot], known, self.counts)
         ring.marks[slot] = mark
@@ -282,7 +279,7 @@ class CountedRoute:
                 (pad_tokens > 0 and num_prefill >= self.max_requests):
             return None
         used = self._commit_used
-        columns = column_bucket(table_threads.used_columns(table, num_prefill, used),
+        columns = column_bucket(native.draft_state.used_columns(table, num_prefill, used),
                                 target.width)
         return self._commit_packed(stage, target, counts, starts, table, inherited, used,
                                    columns, -1, padded_tokens, pad_tokens,

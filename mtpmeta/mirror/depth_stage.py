@@ -8,8 +8,9 @@ the persistent query/KV lengths ``[:n]``. The shadow holds no table rows, so a d
 host work and H2D bytes follow ``p``, never ``W``; its H2D copy ends at
 ``mha_cu_kv_seq_lengths[:p + 1]``, the field it puts last.
 
-The roles over ``n`` are built for every ``n <= cap`` when the stage is built (about
-40 ms at R 1024), so draft loops of ever-new ``n`` build no view.
+The roles over ``n`` are built on first use (``stages``; the sources' once per ring for
+every view), so a new view's first depth builds only its own ``n``'s views (building
+every ``n <= cap`` ahead would cost about 40 ms per view at R 1024).
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ class DepthStage(FixedStage):
         stage = cls(target, ring, buffers, minus_one, cap)
         if stage.layout.nbytes > ring.slot_bytes:
             return None
-        return stage._prebuilt(cap)
+        return stage
 
     def _pad_block(self, rows: int) -> Tensor:
         value = self._pad_blocks.get(rows)

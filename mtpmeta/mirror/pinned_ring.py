@@ -16,7 +16,7 @@ the fence is a no-op; the CUDA-semantics simulator of the tests gives it real me
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
@@ -59,6 +59,10 @@ class StagingRing:
         self.zone: Optional[torch.Tensor] = (
             torch.zeros(max(slot_bytes, _ALIGN), dtype=torch.uint8, device=device)
             if device_twin else None)
+        # Prefix views of the zone and of persistent buffers that the fixed stages of
+        # every view share (``stages.shared_prefixes``), and how many were built.
+        self.shared_prefixes: Dict[Any, Any] = {}
+        self.shared_built = [0]
         self._next = 0
         # Per slot: ``(offset, owner)`` saying the slot's bytes from ``offset`` on are
         # what ``owner`` last wrote there (None: unknown); see ``acquire``.

@@ -19,8 +19,10 @@ once per slot, and nothing is built per shape:
   ``StreamOrder`` first (``MirrorBackend.refuse_capture``), so on a change of stream
   the new stream waits on an event recorded after the placement on the old one. The
   pinned host slot stays fenced per slot (its fence is recorded after the placement);
-* the roles placed over a real count are built for every count when the stage is
-  built (``_prebuilt``; the roles over padded counts on first use, bucketed counts);
+* every prefix is built on first use, so a new view's first forward builds only the
+  prefixes of its own counts (a new view costs little); the sources' prefixes (the
+  zone's fields, the persistent buffers) do not depend on the view and are built once
+  per ring for the stages of every view (``shared_prefixes``);
 * a pass with block counts (``CommitStage.flush_counted``) lands in the slot's own
   device stage instead (fenced with the slot), its sources per slot;
 * pairs are grouped as ``CopyPlan`` groups them (the same ops: one ``_foreach_copy_``
@@ -48,7 +50,7 @@ from mtpmeta.mirror.copy_plan import word_view
 from mtpmeta.mirror.prefixes import PrefixGroup, Prefixes
 
 __all__ = ["FixedStage", "copy_mode", "ALIGN", "PAD_ROWS", "REAL_ROWS", "LENGTHS", "SUMS",
-           "TABLE", "COMMON", "REAL_ROLES", "PADDED", "SUMMED"]
+           "TABLE", "COMMON", "REAL_ROLES", "PADDED", "SUMMED", "shared_prefixes"]
 
 ALIGN = 8  # bytes: every field of a stage starts at a multiple
 PAD_ROWS = ("token_to_block_idx", "token_to_local_position_within_kv_block")
@@ -63,7 +65,22 @@ COMMON = PAD_ROWS + REAL_ROWS + LENGTHS + SUMS
 REAL_ROLES = tuple(range(len(PAD_ROWS), len(PAD_ROWS) + len(REAL_ROWS)))
 # The roles of the first length and of the first cumulative sum.
 PADDED, SUMMED = COMMON.index(LENGTHS[0]), COMMON.index(SUMS[0])
-_REAL_CLASS = 1  # in every stage: the class placed over the real count (n rows, T tokens)
+
+
+def shared_prefixes(ring: Any, tensor: Tensor, words: bool, in_zone: bool = False
+                    ) -> Prefixes:
+    """The ``Prefixes`` of ``tensor``, a view-independent source (``in_zone``: a view
+    of ``ring``'s zone, else a persistent buffer or the zone itself), shared by the
+    stages of every view on ``ring`` and dropped with it. Keyed by the tensor's
+    identity (the entry keeps it alive), or for a view of the zone (made anew by each
+    stage's layout) by its place in the zone."""
+    key: Any = ("zone", tensor.storage_offset(), tensor.dtype, tuple(tensor.shape),
+                tensor.stride(), words) if in_zone else (id(tensor), words)
+    entry = ring.shared_prefixes.get(key)
+    if entry is None:  # (the tensor, kept alive so its id names it, its prefixes)
+        entry = (tensor, Prefixes(tensor, words, ring.shared_built))
+        ring.shared_prefixes[key] = entry
+    return entry[1]
 
 
 def copy_mode(dst: Tensor, src: Tensor) -> Tuple[bool, Any]:
@@ -117,7 +134,7 @@ class FixedStage:
         self._slot_shipped: List[Optional[Tuple[list, list]]] = [None] * slots
         fields = target.fields
         self._zone = self.layout.tensors(ring.zone)  # the staged fields in the zone
-        self._zone_bytes = Prefixes(ring.zone, False, self._counter)  # H2D ends, shared
+        self._zone_bytes = shared_prefixes(ring, ring.zone, False)  # H2D ends
         # Role -> (destination, source in the zone, staged field or None).
         self._pairs = [(getattr(fields, name), getattr(self._zone, name), name)
                        for name in COMMON]
@@ -131,27 +148,25 @@ class FixedStage:
                       for (dst, _, _), (words, _) in zip(self._pairs, modes)]
         self._words = [words for words, _ in modes]
         # Sources that are not staged (persistent buffers) are shared by all slots.
-        self._fixed_srcs = [None if name is not None else
-                            Prefixes(src, words, self._counter)
+        self._fixed_srcs = [None if name is not None else shared_prefixes(ring, src, words)
                             for (_, src, name), words in zip(self._pairs, self._words)]
         self._class_roles = classes
         # The roles (and classes) of a pass landed in the zone: shared by every slot.
-        self._zone_shipped = PrefixGroup.classes(self._staged_roles(self._zone), classes,
-                                                 self._counter)
+        self._zone_shipped = PrefixGroup.classes(self._staged_roles(self._zone, True),
+                                                 classes, self._counter)
 
-    def _staged_roles(self, staged: Any) -> List[Tuple[Prefixes, Prefixes, int]]:
-        """``(destination, source, group)`` per role, staged sources in ``staged``."""
-        return [(dst, fixed if fixed is not None else
-                 Prefixes(getattr(staged, name), words, self._counter), group)
+    def _staged_roles(self, staged: Any, zone: bool = False
+                      ) -> List[Tuple[Prefixes, Prefixes, int]]:
+        """``(destination, source, group)`` per role, staged sources in ``staged``
+        (``zone``: the ring's zone, whose prefixes every view's stages share)."""
+        def source(name: str, words: bool) -> Prefixes:
+            tensor = getattr(staged, name)
+            return shared_prefixes(self.ring, tensor, words, True) if zone else \
+                Prefixes(tensor, words, self._counter)
+        return [(dst, fixed if fixed is not None else source(name, words), group)
                 for dst, fixed, (_, _, name), words, group in zip(
                     self._dsts, self._fixed_srcs, self._pairs, self._words,
                     self._group_ids)]
-
-    def _prebuilt(self, upto: int) -> Any:
-        """This stage with the zone's real-count class built for every ``k <= upto``
-        (its pairs' prefixes ``[:k]`` and their lists), returned."""
-        self._zone_shipped[1][_REAL_CLASS].fill(upto)
-        return self
 
     def _group(self, key: Any) -> int:
         """The index of the copy group ``key`` (``copy_mode``'s), -1 for a single."""
@@ -163,7 +178,8 @@ class FixedStage:
 
     @property
     def built(self) -> int:
-        return self._counter[0]
+        """What this stage built, and what the ring's shared prefixes built."""
+        return self._counter[0] + self.ring.shared_built[0]
 
     def args(self, slot: int) -> Tuple[Any, Any]:
         """The kernels' ``(token_args, request_args)`` numpy fields of ``slot``."""
