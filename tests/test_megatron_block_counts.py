@@ -16,19 +16,10 @@ import pytest
 import torch
 
 from mtpmeta.integrations import megatron
-from tests import standin_megatron
 from tests.test_megatron_engine_placement import same_but_dummy_past_counts
+from tests.test_megatron_integration import upstream  # noqa: F401 (the fixture)
 from tests.test_megatron_integration import (BS, R, W, assert_same_trace, make_context,
                                              random_steps, run)
-
-
-@pytest.fixture
-def upstream():
-    with standin_megatron.installed() as modules:
-        try:
-            yield modules
-        finally:
-            megatron.unpatch()
 
 
 @pytest.mark.parametrize("mirror", [False, True], ids=["direct", "mirror"])

@@ -25,6 +25,7 @@ from mtpmeta.bench.counters import OpCounter
 from mtpmeta.integrations import megatron
 from tests import standin_megatron
 from tests.cuda_sim import CudaSim
+from tests.test_megatron_integration import upstream  # noqa: F401 (the fixture)
 from tests.test_megatron_integration import (BS, D, GRAPH_MAX_SEQLEN, MAX_TOKENS, R, W,
                                              make_context, random_steps)
 from tests.upstream_view import UpstreamLayoutView
@@ -154,15 +155,6 @@ def engine_steps(seed: int) -> List[Dict]:
     zero["counts"] = torch.zeros_like(zero["counts"])
     zero["padded_tokens"] = 0
     return steps + [zero]
-
-
-@pytest.fixture
-def upstream():
-    with standin_megatron.installed() as modules:
-        try:
-            yield modules
-        finally:
-            megatron.unpatch()
 
 
 def same_but_dummy_past_counts(want: Dict[str, Any], got: Dict[str, Any],
