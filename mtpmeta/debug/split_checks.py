@@ -57,6 +57,16 @@ def check_request_rows(meta: Any, request_rows: Any) -> Optional[Tuple[int, int]
     return int(paused), int(total)
 
 
+def _fail_redirect(record: ForwardRecord, token: int, request: int, row: int,
+                   column: int, annotations: np.ndarray, what: str, why: str) -> None:
+    """The prefix-redirect failure for ``token`` (request ``request`` = context row
+    ``row``, block column ``column``), which ``what`` against its annotation."""
+    _fail("prefix redirect", f"token {token} of {_describe(record)} (request {request} "
+                             f"= context row {row}, block column {column}) {what}, but "
+                             f"request_matched_prefix_blocks[{row}] = "
+                             f"{int(annotations[row])}: {why}")
+
+
 def check_split_rows(meta: Any, record: ForwardRecord, view: Any,
                      request_rows: Optional[Tuple[int, int]], block_table: Any) -> None:
     """The module's two invariants for the last forward's real tokens."""
@@ -83,25 +93,18 @@ def check_split_rows(meta: Any, record: ForwardRecord, view: Any,
     bad = np.flatnonzero(real & (columns < annotations[rows]))
     if bad.size:
         t = int(bad[0])
-        row = int(rows[t])
-        _fail("prefix redirect", f"token {t} of {_describe(record)} (request "
-                                 f"{int(requests[t])} = context row {row}, block column "
-                                 f"{int(columns[t])}) writes block {int(blocks[t])}, but "
-                                 f"request_matched_prefix_blocks[{row}] = "
-                                 f"{int(annotations[row])}: a shared prefix block is "
-                                 f"rewritten (inherited_blocks forgotten, too low, or "
-                                 f"taken from other rows)")
+        _fail_redirect(record, t, int(requests[t]), int(rows[t]), int(columns[t]),
+                       annotations, f"writes block {int(blocks[t])}",
+                       "a shared prefix block is rewritten (inherited_blocks forgotten, "
+                       "too low, or taken from other rows)")
     lost = np.flatnonzero(~real & (columns >= annotations[rows])) \
         if record.kind == "commit" else np.empty(0, np.int64)
     if lost.size:
         t = int(lost[0])
-        row = int(rows[t])
-        _fail("prefix redirect", f"token {t} of {_describe(record)} (request "
-                                 f"{int(requests[t])} = context row {row}, block column "
-                                 f"{int(columns[t])}) goes to the dummy block, but "
-                                 f"request_matched_prefix_blocks[{row}] = "
-                                 f"{int(annotations[row])}: the request's own KV is lost "
-                                 f"(an inherited count above the blocks really shared)")
+        _fail_redirect(record, t, int(requests[t]), int(rows[t]), int(columns[t]),
+                       annotations, "goes to the dummy block",
+                       "the request's own KV is lost (an inherited count above the "
+                       "blocks really shared)")
     if block_table is None or request_rows is None:
         return
     _check_context_rows(meta, record, request_rows, requests, columns, blocks, real,
