@@ -116,17 +116,18 @@ def static_buffers(n: int, active: torch.Tensor, fill: int) -> torch.Tensor:
 
 
 def run(context: Any, steps: List[Dict], check: bool = False,
-        static: bool = False) -> List[Dict[str, Any]]:
+        static: bool = False, hits: Any = None) -> List[Dict[str, Any]]:
     """Drive ``steps`` through the context's helpers, as the engine calls them;
     ``static``: the caller's start positions (the commit's and the draft loop's) are
-    ``R``-entry buffers in active order (``static_buffers``)."""
+    ``R``-entry buffers in active order (``static_buffers``); ``hits``: the ``[R]``
+    tensor the engine keeps each row's prefix hit in (the metadata's by default)."""
     trace = []
     meta = context.mtp_metadata
     for step in steps:
         context.paused_request_count, context.total_request_count = (step["paused"],
                                                                       step["total"])
         context.request_to_kv_block_ids.copy_(step["table"])
-        meta.request_matched_prefix_blocks.copy_(step["hits"])
+        (meta.request_matched_prefix_blocks if hits is None else hits).copy_(step["hits"])
         rows = slice(step["paused"], step["total"])
         counts, n = step["counts"], step["total"] - step["paused"]
         table, starts = context.request_to_kv_block_ids[rows], step["starts"]

@@ -130,6 +130,16 @@ def _commit_block_counts(context: Any, host_table: bool) -> Any:
     return None if is_device_tensor(counts, get_runtime()) else counts  # host ones only
 
 
+def _prefix_blocks(context: Any, meta: MTPMetadata) -> Any:
+    """Each row's inherited prefix blocks ``[R]``: the context's
+    ``request_matched_prefix_blocks`` when it keeps them (the engine whose mixin reads
+    them there), else the metadata's own (the newer engine keeps them on
+    ``mtp_metadata``, and its mixin reads them from there). Either way whole: the
+    declared split takes the active rows."""
+    blocks = getattr(context, "request_matched_prefix_blocks", None)
+    return meta.request_matched_prefix_blocks if blocks is None else blocks
+
+
 def _library_metadata(context: Any, helper: str, *, enabled: bool = False) -> MTPMetadata:
     """``context.mtp_metadata``, which must be this library's (built after ``patch()``).
 
@@ -207,8 +217,9 @@ def _setup_prefill_step_with(block_counts: bool) -> Callable[..., None]:
 
         ``append_counts`` [P] and ``block_table_prefill`` [P, W] are the P requests in
         active-row order (an [R, W] table is the context's whole table: its active rows
-        are read, the declared split); the inherited-block redirect reads the context's
-        ``request_matched_prefix_blocks``, passed whole, at its active rows. Device counts
+        are read, the declared split); the inherited-block redirect reads
+        ``request_matched_prefix_blocks`` (``_prefix_blocks``: the context's, else the
+        metadata's), passed whole, at its active rows. Device counts
         and start positions come to the host in one packed read and the table rows from
         the context's host table (``engine_inputs``: one sync, as upstream's helper);
         ``total`` (``append_counts.sum()``), when given, must be the counts' sum.
@@ -224,7 +235,7 @@ def _setup_prefill_step_with(block_counts: bool) -> Callable[..., None]:
         shape = meta.setup_commit_pass(
             self.gpu_view, append_counts, block_table_prefill,
             start_positions=starts,
-            inherited_blocks=self.request_matched_prefix_blocks,
+            inherited_blocks=_prefix_blocks(self, meta),
             padded_token_count=padded_token_count,
             padded_request_count=padded_request_count,
             block_counts=_commit_block_counts(self, host) if block_counts else None)
