@@ -252,12 +252,20 @@ class SimRuntime(TorchRuntime):
     def is_device(self, tensor: torch.Tensor) -> bool:
         return self.sim.kind(tensor) == DEVICE
 
-    def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A blocking D2H copy: a sync, then a pageable host copy."""
+    def to_host(self, tensor: torch.Tensor,
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """A blocking D2H copy: a sync, then a pageable host copy (into the host
+        ``out`` when given)."""
         sim = self.sim
         sim._host_sync("to_host (blocking D2H copy)")
         with sim.bypass():
-            return tensor.clone()
+            if out is None:
+                return tensor.clone()
+            if sim.kind(out) == DEVICE or out.shape != tensor.shape or \
+                    out.dtype != tensor.dtype:
+                raise AssertionError("to_host: out must be a host tensor of the "
+                                     "source's shape and dtype")
+            return out.copy_(tensor)
 
     def record_stream(self, tensor: torch.Tensor, device: torch.device) -> None:
         sim = self.sim

@@ -49,9 +49,9 @@ class Placement:
         self.read_bytes = 0
         runtime, to_host = sim.runtime, sim.runtime.to_host
 
-        def counted_to_host(tensor: torch.Tensor) -> torch.Tensor:
+        def counted_to_host(tensor: torch.Tensor, out: Any = None) -> torch.Tensor:
             self.read_bytes += tensor.numel() * tensor.element_size()
-            return to_host(tensor)
+            return to_host(tensor, out=out)
 
         runtime.to_host = counted_to_host
 
@@ -125,11 +125,12 @@ def run_engine(modules: Dict[str, Any], steps: List[Dict], patched: bool,
                 counts = place.device(step["counts"])
                 starts = place.device(step["starts"])
                 table = place.device(context.request_to_kv_block_ids[paused:total][:n])
-                if int(step["counts"].sum()):
+                total = int(step["counts"].sum())  # the client's, before the helper
+                if total:
                     cost = place.counted(lambda: context._mtp_setup_prefill_step(
                         counts, table, padded_token_count=step["padded_tokens"],
                         padded_request_count=step["padded_requests"],
-                        request_start_positions=starts, total=int(step["counts"].sum())))
+                        request_start_positions=starts, total=total))
                     trace.append(place.record("commit", cost))
                     meta.end_forward()
                 draft_starts = place.device(step["starts"] + step["counts"] - 1 + 1)
@@ -213,6 +214,9 @@ def test_engine_placement_costs_per_helper(upstream, seed):
     assert commits and len(commits) == len(sizes)
     for event, size in zip(commits, sizes):
         assert event["cost"] == dict(syncs=1, reads=16 * size), event["cost"]
+    # The packed read goes through the metadata's fixed device and pinned buffers,
+    # made at its first commit pass: the passes after it allocate nothing.
+    assert [e["allocations"] for e in commits[1:]] == [0] * (len(commits) - 1)
     begins = [e for e in trace if e["what"] == "begin"]
     assert all(e["cost"] == dict(syncs=0, reads=0) for e in begins)
     # The pinned table's active rows cross once, contiguous: nothing staged, nothing

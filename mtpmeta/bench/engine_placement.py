@@ -114,13 +114,16 @@ class PlacementRuntime:
     def is_host(self, tensor: torch.Tensor) -> bool:
         return not self.is_device(tensor)
 
-    def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A host copy of a device tensor (a blocking copy on a GPU)."""
+    def to_host(self, tensor: torch.Tensor,
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """A host copy of a device tensor (a blocking copy on a GPU), into ``out``
+        when given."""
         if not isinstance(tensor, DeviceHeld):
-            return self.inner.to_host(tensor)
+            return self.inner.to_host(tensor, out=out)
         self.count(tensor)
         with torch._C.DisableTorchFunctionSubclass():
-            return tensor.as_subclass(torch.Tensor).clone()
+            value = tensor.as_subclass(torch.Tensor)
+            return value.clone() if out is None else out.copy_(value)
 
 
 def patched_engine(metadata: Any, gpu_view: Any, block_table: torch.Tensor,

@@ -8,7 +8,9 @@ Everything the mirror path asks of CUDA *besides* plain torch ops goes through o
 * ``is_host(tensor)`` / ``is_device(tensor)`` -- whether a tensor lives in host or
   device memory (a host one is staged through pinned memory before an async copy, never
   copied pageable ``non_blocking``; a device one takes the device-op route);
-* ``to_host(tensor)`` -- a host copy of a device tensor (a documented sync);
+* ``to_host(tensor, out=None)`` -- a host copy of a device tensor (a documented sync),
+  into the host tensor ``out`` of its shape and dtype when given (pinned: no
+  allocation, and the copy runs at the bus's pinned rate);
 * ``record_stream(tensor, device)`` -- tell the caching allocator a caller's device
   tensor is read by work queued on the device's current stream, so freeing it right
   after the call cannot hand its memory to another stream's allocation first;
@@ -51,7 +53,8 @@ class DeviceRuntime(Protocol):
     def host_empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor: ...
     def is_host(self, tensor: torch.Tensor) -> bool: ...
     def is_device(self, tensor: torch.Tensor) -> bool: ...
-    def to_host(self, tensor: torch.Tensor) -> torch.Tensor: ...
+    def to_host(self, tensor: torch.Tensor,
+                out: Optional[torch.Tensor] = None) -> torch.Tensor: ...
     def record_stream(self, tensor: torch.Tensor, device: torch.device) -> None: ...
     def event(self, device: torch.device) -> Optional[DeviceEvent]: ...
     def current_stream(self, device: torch.device) -> Any: ...
@@ -147,8 +150,11 @@ class TorchRuntime:
     def is_device(self, tensor: torch.Tensor) -> bool:
         return not tensor.is_cpu
 
-    def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.cpu()
+    def to_host(self, tensor: torch.Tensor,
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if out is None:
+            return tensor.cpu()
+        return out.copy_(tensor)  # blocking: the host reads ``out`` right after
 
     def record_stream(self, tensor: torch.Tensor, device: torch.device) -> None:
         if tensor.is_cuda and device.type == "cuda":

@@ -13,15 +13,18 @@ patched helper brings them there at the cost of one sync, the one upstream's hel
 spends on ``seq_lengths.max().item()``:
 
 - the device counts and start positions: one packed device-to-host read of ``16 * A``
-  bytes (``torch.cat`` of both as int64, then the runtime's ``to_host``);
+  bytes (``torch.cat`` of both into a fixed ``[2R]`` int64 device buffer, then the
+  runtime's ``to_host`` into its pinned host twin: ``ReadBack``, one pair per metadata,
+  made at its first commit pass, so the passes after it allocate nothing);
 - the block table: never read back. Its rows are taken from the context's host table,
   from which the engine copied ``block_table_prefill``. That holds only under
   upstream's contract, which the helper cannot check without reading the device copy:
   it assumes it when the context's table is a host integer tensor of the same width
   with at least ``A`` active rows (the engine casts its copy to the view's
-  ``mha_block_table`` dtype; the library checks the host ids against that dtype). When the context's table is itself on the device
-  (no host copy to read), its rows travel in the same packed read (one sync, ``8 * A *
-  W`` more bytes).
+  ``mha_block_table`` dtype; the library checks the host ids against that dtype). When
+  the context's table is itself on the device (no host copy to read), its rows travel in
+  the same packed read (one sync, ``8 * A * W`` more bytes, into buffers made for that
+  read: outside upstream's placement).
 
 What is validated: the counts, the start positions and the host table rows, in full
 (each written block checked against the view before anything is written), and
@@ -37,6 +40,7 @@ route ships its staging in a few copies.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, List, Optional, Tuple
 
 import numpy as np
@@ -69,6 +73,28 @@ def check_total(total: Any, counts: Any) -> None:
                          f"{expected}")
 
 
+class ReadBack:
+    """The packed read's fixed buffers for one metadata: ``device`` ``[2R]`` int64, a
+    new tensor like the input ``like`` (on its device: the counts, then the start
+    positions) and ``host``, its pinned host twin (``runtime.host_empty``)."""
+
+    def __init__(self, rows: int, like: torch.Tensor, runtime: Any) -> None:
+        self.device = like.new_empty((2 * rows,), dtype=torch.int64)
+        self.host = runtime.host_empty((2 * rows,), torch.int64)
+
+
+#: ``ReadBack`` per metadata (weakly: it goes with the metadata), remade when the
+#: inputs arrive on another device.
+_READ_BACKS: "weakref.WeakKeyDictionary[Any, ReadBack]" = weakref.WeakKeyDictionary()
+
+
+def _read_back(meta: Any, like: torch.Tensor, runtime: Any) -> ReadBack:
+    buffers = _READ_BACKS.get(meta)
+    if buffers is None or buffers.device.device != like.device:
+        buffers = _READ_BACKS[meta] = ReadBack(meta.max_requests, like, runtime)
+    return buffers
+
+
 def _host_rows(context: Any, table: Any, rows: int, paused: int,
                runtime: Any) -> Optional[torch.Tensor]:
     """Rows ``paused .. paused + rows`` of the context's host table, when the device
@@ -83,10 +109,11 @@ def _host_rows(context: Any, table: Any, rows: int, paused: int,
 
 
 def commit_inputs(context: Any, append_counts: Any, block_table: Any,
-                  start_positions: Any, max_requests: int
-                  ) -> Tuple[Any, Any, Any]:
+                  start_positions: Any, meta: Any) -> Tuple[Any, Any, Any]:
     """``(append_counts, block_table, start_positions)`` with every device tensor
-    replaced by host values (module docstring); host inputs come back as they are.
+    replaced by host values (module docstring); host inputs come back as they are. The
+    host counts and start positions are views of ``meta``'s ``ReadBack``, valid until
+    its next commit pass.
 
     ``start_positions``: in active order (entry ``i`` for request ``i``). A device
     table of exactly ``max_requests`` rows behind paused rows is the context's whole
@@ -104,10 +131,11 @@ def commit_inputs(context: Any, append_counts: Any, block_table: Any,
         return append_counts, block_table, start_positions  # refused by the pass
     requests = append_counts.shape[0] if counts_dev else len(append_counts)
     parts: List[torch.Tensor] = []
+    max_requests = meta.max_requests
     if counts_dev:
-        parts.append(append_counts.to(torch.int64))
+        parts.append(append_counts)
     if starts_dev and start_positions.dim() == 1 and start_positions.shape[0] >= requests:
-        parts.append(start_positions[:requests].to(torch.int64))
+        parts.append(start_positions[:requests])
     else:
         starts_dev = False
     table_rows = None
@@ -126,9 +154,15 @@ def commit_inputs(context: Any, append_counts: Any, block_table: Any,
     if not parts:
         return append_counts, table_rows if table_rows is not None else block_table, \
             start_positions
-    packed = parts[0] if len(parts) == 1 else torch.cat(parts)
+    size = sum(part.numel() for part in parts)
+    if size <= 2 * max_requests:  # upstream's placement: into the fixed buffers
+        buffers = _read_back(meta, parts[0], runtime)
+        packed, out = buffers.device[:size], buffers.host[:size]
+        torch.cat(parts, out=packed)  # int64, whatever the parts' integer dtypes
+    else:  # the rows of a device context table besides: made for this read
+        packed, out = torch.cat([part.to(torch.int64) for part in parts]), None
     try:
-        host = runtime.to_host(packed)  # the one sync
+        host = runtime.to_host(packed, out=out)  # the one sync
     except NotImplementedError as err:  # meta tensors (a runtime may answer for them)
         raise ValueError(f"append_counts, request_start_positions, block_table_prefill: "
                          f"a {packed.device.type} tensor has no values to read back "

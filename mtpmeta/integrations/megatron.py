@@ -228,8 +228,7 @@ def _setup_prefill_step_with(block_counts: bool) -> Callable[..., None]:
         _declare_rows(self, meta)
         append_counts, block_table_prefill, starts = commit_inputs(
             self, append_counts, block_table_prefill,
-            _in_active_order(self, request_start_positions, append_counts),
-            meta.max_requests)
+            _in_active_order(self, request_start_positions, append_counts), meta)
         check_total(total, append_counts)
         host = not is_device_tensor(block_table_prefill, get_runtime())
         shape = meta.setup_commit_pass(
