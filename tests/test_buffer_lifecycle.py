@@ -152,6 +152,44 @@ def test_dropped_buffers_are_not_freed_under_work_queued_on_another_stream(
     _expect(unsafe, lifecycle_off)
 
 
+def _token_inputs(sim: CudaSim, rng: np.random.Generator) -> list:
+    """Device rows, positions and an [8, 6] table for a 12-token ``write_token_maps``."""
+    return [upload(sim, rng.integers(0, 8, size=12).astype(np.int32)),
+            upload(sim, rng.integers(0, 24, size=12).astype(np.int32)),
+            upload(sim, rng.integers(0, 48, size=(8, 6)).astype(np.int32))]
+
+
+def _scratch_in_use_on_stream_b(sim: CudaSim, meta: MTPMetadata, view: ContextGPUView,
+                                inputs: list) -> list:
+    """A device-route ``write_token_maps`` makes ``view``'s scratch on the default
+    stream, then a second write through it is queued on stream b; the scratch's
+    storages (at least one)."""
+    sim.synchronize()
+    before = {storage._cdata for storage in sim._keep}
+    meta.write_token_maps(view, *inputs, 16)  # the scratch is made here
+    sim.synchronize()
+    scratch = [storage for storage in sim._keep if storage._cdata not in before]
+    with sim.stream(sim.Stream("b")):
+        meta.write_token_maps(view, *inputs, 16)
+    assert scratch
+    return scratch
+
+
+def _host_write(meta: MTPMetadata, view: ContextGPUView) -> None:
+    """A two-token ``write_token_maps`` into ``view`` from host inputs (the forward
+    staging: no scratch)."""
+    meta.write_token_maps(view, host(np.zeros(2, np.int32)), host(np.zeros(2, np.int32)),
+                          host(np.zeros((8, 6), np.int32)), 2)
+
+
+def _unsafe_frees(sim: CudaSim, scratch: list) -> int:
+    """Free the owner's last references to ``scratch``; the frees that came while
+    queued work may still read it."""
+    for storage in scratch:
+        sim.free(torch.empty(0, dtype=torch.uint8).set_(storage))
+    return len(sim.unsafe_frees)
+
+
 def test_evicted_view_scratch_is_not_freed_under_work_queued_on_another_stream(
         lifecycle_off):
     """A device-route writer makes its view's scratch on the default stream, a second
@@ -163,25 +201,12 @@ def test_evicted_view_scratch_is_not_freed_under_work_queued_on_another_stream(
         sim = CudaSim(seed, idle=1.0)
         with sim:
             meta, _, [(view, _)] = new_pair(sim)
-            inputs = [upload(sim, rng.integers(0, 8, size=12).astype(np.int32)),
-                      upload(sim, rng.integers(0, 24, size=12).astype(np.int32)),
-                      upload(sim, rng.integers(0, 48, size=(8, 6)).astype(np.int32))]
-            sim.synchronize()
-            before = {storage._cdata for storage in sim._keep}
-            meta.write_token_maps(view, *inputs, 16)  # the scratch is made here
-            sim.synchronize()
-            scratch = [storage for storage in sim._keep if storage._cdata not in before]
-            with sim.stream(sim.Stream("b")):
-                meta.write_token_maps(view, *inputs, 16)
+            inputs = _token_inputs(sim, rng)
+            scratch = _scratch_in_use_on_stream_b(sim, meta, view, inputs)
             others = [ContextGPUView(8, 64, 6) for _ in range(8)]  # alive: distinct ids
             for other in others:  # host inputs: the forward staging, no scratch
-                meta.write_token_maps(other, host(np.zeros(2, np.int32)),
-                                      host(np.zeros(2, np.int32)),
-                                      host(np.zeros((8, 6), np.int32)), 2)
-            assert scratch
-            for storage in scratch:  # the evicted target's scratch goes
-                sim.free(torch.empty(0, dtype=torch.uint8).set_(storage))
-            unsafe += len(sim.unsafe_frees)
+                _host_write(meta, other)
+            unsafe += _unsafe_frees(sim, scratch)  # the evicted target's scratch goes
             sim.synchronize()
     _expect(unsafe, lifecycle_off)
 
@@ -211,10 +236,6 @@ def test_take_on_another_stream_reads_the_carry_of_the_last_carry(monkeypatch):
             assert stale == 0
 
 
-def _token_inputs(sim: CudaSim, rng: np.random.Generator) -> list:
-    return [upload(sim, rng.integers(0, 8, size=12).astype(np.int32)),
-            upload(sim, rng.integers(0, 24, size=12).astype(np.int32)),
-            upload(sim, rng.integers(0, 48, size=(8, 6)).astype(np.int32))]
 
 
 def _rebind(holder: list) -> ContextGPUView:
@@ -253,25 +274,14 @@ def test_re_resolved_view_scratch_is_not_freed_under_work_queued_on_another_stre
         with sim:
             meta, _, [(view, _)] = new_pair(sim)
             inputs = _token_inputs(sim, rng)
-            sim.synchronize()
-            before = {storage._cdata for storage in sim._keep}
-            meta.write_token_maps(view, *inputs, 16)  # the scratch is made here
-            sim.synchronize()
-            scratch = [storage for storage in sim._keep if storage._cdata not in before]
-            with sim.stream(sim.Stream("b")):
-                meta.write_token_maps(view, *inputs, 16)
+            scratch = _scratch_in_use_on_stream_b(sim, meta, view, inputs)
             other = ContextGPUView(8, 64, 6)  # becomes last_forward's view instead
-            meta.write_token_maps(other, host(np.zeros(2, np.int32)),
-                                  host(np.zeros(2, np.int32)),
-                                  host(np.zeros((8, 6), np.int32)), 2)
+            _host_write(meta, other)
             holder = [view]
             del view
             again = resolve_again(holder)
             meta.write_token_maps(again, *inputs, 16)  # resolves it again
-            assert scratch
-            for storage in scratch:  # the replaced target's scratch goes
-                sim.free(torch.empty(0, dtype=torch.uint8).set_(storage))
-            unsafe += len(sim.unsafe_frees)
+            unsafe += _unsafe_frees(sim, scratch)  # the replaced target's scratch goes
             sim.synchronize()
     _expect(unsafe, lifecycle_off)
 
