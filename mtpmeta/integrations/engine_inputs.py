@@ -167,11 +167,11 @@ def commit_inputs(context: Any, append_counts: Any, block_table: Any,
         raise ValueError(f"append_counts, request_start_positions, block_table_prefill: "
                          f"a {packed.device.type} tensor has no values to read back "
                          f"({err})") from err
-    at = 0
+    values, at = host.numpy(), 0  # numpy views: what the commit pass reads as they are
     if counts_dev:
-        append_counts, at = host[:requests], requests
+        append_counts, at = values[:requests], requests
     if starts_dev:
-        start_positions, at = host[at:at + requests], at + requests
+        start_positions, at = values[at:at + requests], at + requests
     if table_rows is not None:
         block_table = table_rows
     elif table_dev:
