@@ -49,7 +49,7 @@ import torch
 from mtpmeta.buffers.device_runtime import get_runtime
 from mtpmeta.validation.inputs import is_device_tensor
 
-__all__ = ["commit_inputs", "check_total"]
+__all__ = ["commit_inputs", "check_total", "longest_length", "ReadBack"]
 
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
@@ -74,13 +74,17 @@ def check_total(total: Any, counts: Any) -> None:
 
 
 class ReadBack:
-    """The packed read's fixed buffers for one metadata: ``device`` ``[2R]`` int64, a
-    new tensor like the input ``like`` (on its device: the counts, then the start
-    positions) and ``host``, its pinned host twin (``runtime.host_empty``)."""
+    """The read-backs' fixed buffers for one metadata: ``device`` ``[2R]`` int64, a new
+    tensor like the input ``like`` (on its device: the counts, then the start
+    positions), and ``host``, its pinned host twin (``runtime.host_empty``); the same
+    pair at ``[]`` int32 for an eager depth's longest KV length (``longest``,
+    ``longest_host``)."""
 
     def __init__(self, rows: int, like: torch.Tensor, runtime: Any) -> None:
         self.device = like.new_empty((2 * rows,), dtype=torch.int64)
         self.host = runtime.host_empty((2 * rows,), torch.int64)
+        self.longest = like.new_empty((), dtype=torch.int32)
+        self.longest_host = runtime.host_empty((), torch.int32)
 
 
 #: ``ReadBack`` per metadata (weakly: it goes with the metadata), remade when the
@@ -93,6 +97,16 @@ def _read_back(meta: Any, like: torch.Tensor, runtime: Any) -> ReadBack:
     if buffers is None or buffers.device.device != like.device:
         buffers = _READ_BACKS[meta] = ReadBack(meta.max_requests, like, runtime)
     return buffers
+
+
+def longest_length(meta: Any, lengths: torch.Tensor) -> int:
+    """The largest of the device ``lengths`` (int32, at least one), read back into the
+    fixed buffers: one sync, 4 bytes, no allocation (an eager draft depth's key bound
+    after device start positions, which only the device knows)."""
+    runtime = get_runtime()
+    buffers = _read_back(meta, lengths, runtime)
+    torch.amax(lengths, 0, out=buffers.longest)
+    return int(runtime.to_host(buffers.longest, out=buffers.longest_host))
 
 
 def _host_rows(context: Any, table: Any, rows: int, paused: int,

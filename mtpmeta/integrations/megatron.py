@@ -56,7 +56,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mtpmeta.buffers.device_runtime import get_runtime
 from mtpmeta.errors import MTPDisabledError
-from mtpmeta.integrations.engine_inputs import check_total, commit_inputs
+from mtpmeta.integrations.engine_inputs import check_total, commit_inputs, \
+    longest_length
 from mtpmeta.metadata import MTPMetadata
 from mtpmeta.types import MTPForwardMode
 from mtpmeta.validation.inputs import is_device_tensor
@@ -190,7 +191,8 @@ def _mtp_setup_decode_step(self: Any) -> None:
         max_seqlen_k = self.graph_attn_metadata["mha_metadata"].max_seqlen
     elif shape.max_seqlen_k is None:  # device start positions: no host copy (one sync)
         n = shape.request_count
-        max_seqlen_k = int(self.gpu_view.mha_kv_seq_lengths[:n].max().item()) if n else 1
+        max_seqlen_k = longest_length(meta, self.gpu_view.mha_kv_seq_lengths[:n]) \
+            if n else 1
     else:
         max_seqlen_k = int(shape.max_seqlen_k)  # a plain int whatever the kernels return
     self._mtp_activate_attn_metadata(
