@@ -22,19 +22,31 @@ Read-backs. Torch's ``meta`` device holds no values, so a read-back there has to
 answered from the trace, and is counted as it is answered:
 
 - upstream's go through the reference's ``_host_int`` (``HostKnownReference``);
-- for the patched helpers, the commit inputs are :class:`DeviceHeld` tensors: device
+- the patched helpers read the client's device inputs back only through the runtime's
+  ``to_host`` (a blocking copy on a GPU). On ``meta`` the inputs are real ``meta``
+  tensors, as on a GPU they are real device tensors, and :class:`PlacementRuntime`
+  answers each ``to_host`` of a meta tensor with the next of the values the same read
+  returned on the CPU, for that step, in order (``expect``): its shape and dtype must
+  be the recorded ones, and a read with none left, or a step that leaves one unread,
+  raises. Any other read-back of a meta tensor (``.item()``, ``.tolist()``, ...)
+  cannot run and stops the replay, so none goes uncounted.
+- On the CPU (the agreement check, and the pass that records those values:
+  ``trace_replay.known_syncs``) the inputs are :class:`DeviceHeld` tensors: device
   tensors to the library (``PlacementRuntime.is_device``; contract §8), held in host
-  memory with the trace's values. Each read-back of one, through the runtime's
-  ``to_host`` (a blocking copy on a GPU) or any tensor method (``.item()``, ``.cpu()``,
-  ``.tolist()``, ``.numpy()``, a copy into the host), is answered with those values
-  and counted with its bytes. A read-back of a real ``meta`` tensor (the draft loop's
-  device start positions) cannot run and stops the replay, so none goes uncounted.
+  memory with the trace's values. Each read-back of one, through ``to_host`` (whose
+  values the runtime records, ``recorded``) or any tensor method (``.item()``,
+  ``.cpu()``, ``.tolist()``, ``.numpy()``, a copy into the host), is answered with
+  those values and counted with its bytes.
+
+A held tensor's Python ``__torch_function__`` runs on every op on it, which a GPU's
+device tensor does not pay; the timed rows run on ``meta`` and pay none of it.
 """
 
 from __future__ import annotations
 
 import types
-from typing import Any, Optional
+from collections import deque
+from typing import Any, Deque, List, Optional, Sequence
 
 import torch
 
@@ -87,13 +99,17 @@ class DeviceHeld(torch.Tensor):
 class PlacementRuntime:
     """A device runtime (``mtpmeta.buffers.device_runtime``) over ``inner`` that also
     takes the tensors made by :meth:`mark` (``DeviceHeld``) as device tensors, and
-    answers and counts each read-back of one, through ``to_host`` or any tensor
-    method: ``syncs`` and ``read_bytes``."""
+    answers and counts each read-back (``syncs``, ``read_bytes``): of a held tensor,
+    through ``to_host`` or any tensor method, with its values (a ``to_host`` one also
+    appended to ``recorded``); of a ``meta`` tensor, through ``to_host``, with the
+    next value :meth:`expect` was given (module docstring)."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.syncs = 0
         self.read_bytes = 0
+        self.recorded: List[torch.Tensor] = []
+        self._known: Optional[Deque[torch.Tensor]] = None
         self.held = type("DeviceHeld", (DeviceHeld,), {"runtime": self})
 
     def __getattr__(self, name: str) -> Any:  # events, streams, allocation: inner's
@@ -108,6 +124,16 @@ class PlacementRuntime:
         self.syncs += 1
         self.read_bytes += tensor.numel() * tensor.element_size()
 
+    def expect(self, values: Optional[Sequence[torch.Tensor]]) -> None:
+        """The values of the next ``to_host`` reads of meta tensors, in order (a step's:
+        ``recorded`` by the same step on the CPU); None: none. ``RuntimeError`` when the
+        values expected before are not all read."""
+        if self._known:
+            raise RuntimeError(f"meta read-backs: {len(self._known)} known read-back(s) "
+                               f"left unread, the next of shape "
+                               f"{tuple(self._known[0].shape)} {self._known[0].dtype}")
+        self._known = None if values is None else deque(values)
+
     def is_device(self, tensor: torch.Tensor) -> bool:
         return isinstance(tensor, DeviceHeld) or self.inner.is_device(tensor)
 
@@ -116,11 +142,28 @@ class PlacementRuntime:
 
     def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         """A host copy of a device tensor (a blocking copy on a GPU)."""
-        if not isinstance(tensor, DeviceHeld):
-            return self.inner.to_host(tensor)
+        if isinstance(tensor, DeviceHeld):
+            self.count(tensor)
+            with torch._C.DisableTorchFunctionSubclass():
+                value = tensor.as_subclass(torch.Tensor).clone()
+            self.recorded.append(value.clone())
+            return value
+        if tensor.device.type == "meta":
+            return self._answer(tensor)
+        return self.inner.to_host(tensor)
+
+    def _answer(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The next expected value for a read of the meta ``tensor``; ``RuntimeError``
+        when none is left or it is not of ``tensor``'s shape and dtype."""
+        read = f"a read-back of a meta {tuple(tensor.shape)} {tensor.dtype} tensor"
+        if not self._known:
+            raise RuntimeError(f"{read}: no known value left for it")
+        value = self._known.popleft()
+        if value.shape != tensor.shape or value.dtype != tensor.dtype:
+            raise RuntimeError(f"{read}: the known value is {tuple(value.shape)} "
+                               f"{value.dtype}")
         self.count(tensor)
-        with torch._C.DisableTorchFunctionSubclass():
-            return tensor.as_subclass(torch.Tensor).clone()
+        return value.clone()
 
 
 def patched_engine(metadata: Any, gpu_view: Any, block_table: torch.Tensor,
@@ -143,8 +186,10 @@ class EnginePlacement:
         self.counts = self.table = self.starts = self.draft_starts = None
         self.total = 0
 
-    def _device(self, tensor: torch.Tensor, marked: bool) -> torch.Tensor:
-        if marked and self.runtime is not None:
+    def _device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` as the client's device input: a real device (``meta``) tensor, or
+        on the CPU a held one for the patched helpers (a plain one for upstream's)."""
+        if self.device.type == "cpu" and self.runtime is not None:
             return self.runtime.mark(tensor.clone())
         return tensor.to(self.device)
 
@@ -156,13 +201,11 @@ class EnginePlacement:
         engine.request_matched_prefix_blocks[:requests] = step.inherited
         engine.request_kv_block_counts.copy_(step.block_counts)
         active = engine.request_to_kv_block_ids[0:requests][:step.append_counts.numel()]
-        self.counts = self._device(step.append_counts.to(torch.int64), True)
-        self.table = self._device(active, True)
-        self.starts = self._device(step.commit_starts.to(torch.int64), True)
+        self.counts = self._device(step.append_counts.to(torch.int64))
+        self.table = self._device(active)
+        self.starts = self._device(step.commit_starts.to(torch.int64))
         self.total = int(step.append_counts.sum())
-        starts = step.start_positions.to(torch.int64)
-        # on meta a real device tensor; on the CPU (the agreement check) a marked one
-        self.draft_starts = self._device(starts, self.device.type == "cpu")
+        self.draft_starts = self._device(step.start_positions.to(torch.int64))
 
     def run(self, step: Any, meta: Any, depths: int) -> None:
         """The step's commit pass and graphed draft loop through the engine's helpers;
