@@ -101,8 +101,13 @@ def test_every_read_back_of_a_held_device_tensor_is_counted_with_its_bytes():
 def test_a_meta_read_back_is_answered_from_the_known_values_in_order():
     """``to_host`` of a meta tensor returns the next expected value, counted with its
     bytes; a read of another shape or dtype, a read with none left and a value left
-    unread all raise; a meta tensor is a device tensor to the library."""
-    runtime = PlacementRuntime(TorchRuntime())
+    unread all raise; a meta tensor is a device tensor to the library, and a runtime
+    that holds no tensors (a replay on meta) asks its inner runtime which are."""
+    inner = TorchRuntime()
+    runtime = PlacementRuntime(inner, holds=False)
+    assert runtime.is_device == inner.is_device and runtime.event == inner.event
+    with pytest.raises(ValueError, match="holds=False"):
+        runtime.mark(torch.arange(3))
     first, second = torch.arange(4, dtype=torch.int64), torch.arange(3, dtype=torch.int32)
     meta = torch.empty(4, dtype=torch.int64, device="meta")
     assert runtime.is_device(meta) and not runtime.is_host(meta)
@@ -172,7 +177,8 @@ def test_an_extra_read_back_on_meta_stops_the_replay(trace):
     from mtpmeta.buffers.device_runtime import get_runtime
 
     known = known_syncs(STANDARD_TRACE, trace[:2], "megatron engine", True)
-    extra = _reading("_mtp_setup_prefill_step", lambda args: get_runtime().to_host(args[0]))
+    extra = _reading("_mtp_setup_prefill_step",
+                     lambda args: get_runtime().to_host(args[0]))
     with pytest.raises(RuntimeError, match="no known value left"):
         _step_counts("megatron engine", trace[:2], known=known, wrap=extra, counts=True)
     listed = _reading("_mtp_setup_prefill_step", lambda args: args[0].tolist())

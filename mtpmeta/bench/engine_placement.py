@@ -96,27 +96,45 @@ class DeviceHeld(torch.Tensor):
                 else result
 
 
+#: The runtime calls a ``PlacementRuntime`` leaves to its inner runtime.
+_INNER_CALLS = ("host_empty", "record_stream", "event", "current_stream", "is_capturing",
+                "synchronize", "fence")
+
+
 class PlacementRuntime:
     """A device runtime (``mtpmeta.buffers.device_runtime``) over ``inner`` that also
     takes the tensors made by :meth:`mark` (``DeviceHeld``) as device tensors, and
     answers and counts each read-back (``syncs``, ``read_bytes``): of a held tensor,
     through ``to_host`` or any tensor method, with its values (a ``to_host`` one also
     appended to ``recorded``); of a ``meta`` tensor, through ``to_host``, with the
-    next value :meth:`expect` was given (module docstring)."""
+    next value :meth:`expect` was given (module docstring).
 
-    def __init__(self, inner: Any) -> None:
+    ``holds``: whether it takes held tensors; without them (a replay on meta) which
+    tensors are the device's is ``inner``'s answer, asked directly, and every call but
+    ``to_host`` costs what it costs on ``inner``, so a timed row pays no more for its
+    runtime than on a GPU."""
+
+    def __init__(self, inner: Any, holds: bool = True) -> None:
         self.inner = inner
+        self.holds = holds
         self.syncs = 0
         self.read_bytes = 0
         self.recorded: List[torch.Tensor] = []
         self._known: Optional[Deque[torch.Tensor]] = None
         self.held = type("DeviceHeld", (DeviceHeld,), {"runtime": self})
+        for name in _INNER_CALLS:  # bound once: no look-up through this object per call
+            setattr(self, name, getattr(inner, name))
+        if not holds:
+            self.is_device, self.is_host = inner.is_device, inner.is_host
 
-    def __getattr__(self, name: str) -> Any:  # events, streams, allocation: inner's
+    def __getattr__(self, name: str) -> Any:  # anything else inner has
         return getattr(self.inner, name)
 
     def mark(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` as a device tensor held in host memory."""
+        """``tensor`` as a device tensor held in host memory; ``ValueError`` on a runtime
+        that holds none."""
+        if not self.holds:
+            raise ValueError("mark: this runtime takes no held tensors (holds=False)")
         return tensor.as_subclass(self.held)
 
     def count(self, tensor: torch.Tensor) -> None:
@@ -148,22 +166,25 @@ class PlacementRuntime:
                 value = tensor.as_subclass(torch.Tensor).clone()
             self.recorded.append(value.clone())
             return value
-        if tensor.device.type == "meta":
+        if tensor.is_meta:
             return self._answer(tensor)
         return self.inner.to_host(tensor)
 
     def _answer(self, tensor: torch.Tensor) -> torch.Tensor:
         """The next expected value for a read of the meta ``tensor``; ``RuntimeError``
         when none is left or it is not of ``tensor``'s shape and dtype."""
-        read = f"a read-back of a meta {tuple(tensor.shape)} {tensor.dtype} tensor"
         if not self._known:
-            raise RuntimeError(f"{read}: no known value left for it")
+            raise RuntimeError(f"{_read(tensor)}: no known value left for it")
         value = self._known.popleft()
         if value.shape != tensor.shape or value.dtype != tensor.dtype:
-            raise RuntimeError(f"{read}: the known value is {tuple(value.shape)} "
-                               f"{value.dtype}")
+            raise RuntimeError(f"{_read(tensor)}: the known value is "
+                               f"{tuple(value.shape)} {value.dtype}")
         self.count(tensor)
         return value.clone()
+
+
+def _read(tensor: torch.Tensor) -> str:
+    return f"a read-back of a meta {tuple(tensor.shape)} {tensor.dtype} tensor"
 
 
 def patched_engine(metadata: Any, gpu_view: Any, block_table: torch.Tensor,

@@ -151,8 +151,8 @@ class Replay:
                  depths: bool = False, counts: bool = False, masked: Any = False
                  ) -> None:
         self.path, self.config = path, config
-        # the patched helpers' read-backs of the client's device inputs, answered
-        self.runtime = PlacementRuntime(get_runtime()) if path == "megatron engine" else None
+        self.runtime = (PlacementRuntime(get_runtime(), holds=device.type == "cpu")
+                        if path == "megatron engine" else None)  # answers its read-backs
         with use_runtime(self.runtime) if self.runtime else contextlib.nullcontext():
             self.meta, self.view = PATHS[path](config, device)
         self.counts = counts
