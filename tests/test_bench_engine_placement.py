@@ -17,7 +17,7 @@ from mtpmeta.bench.engine_placement import DeviceHeld, PlacementRuntime
 from mtpmeta.bench.meta_device import cpp_meta_kernels
 from mtpmeta.bench.trace import STANDARD_TRACE, make_trace
 from mtpmeta.bench.trace_replay import Replay, check_trace, known_syncs
-from mtpmeta.buffers.device_runtime import TorchRuntime
+from mtpmeta.buffers.device_runtime import TorchRuntime, get_runtime
 
 from tests.test_bench_trace import TINY
 
@@ -174,8 +174,6 @@ def test_an_extra_read_back_on_meta_stops_the_replay(trace):
     """A read the CPU replay did not make cannot be answered on meta: through the
     runtime's ``to_host`` it finds no known value left, through a tensor method it
     cannot run; either way the replay stops."""
-    from mtpmeta.buffers.device_runtime import get_runtime
-
     known = known_syncs(STANDARD_TRACE, trace[:2], "megatron engine", True)
     extra = _reading("_mtp_setup_prefill_step",
                      lambda args: get_runtime().to_host(args[0]))
