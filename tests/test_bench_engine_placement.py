@@ -17,7 +17,7 @@ from mtpmeta.bench.engine_placement import DeviceHeld, PlacementRuntime
 from mtpmeta.bench.meta_device import cpp_meta_kernels
 from mtpmeta.bench.trace import STANDARD_TRACE, make_trace
 from mtpmeta.bench.trace_replay import Replay, check_trace, known_syncs
-from mtpmeta.buffers.device_runtime import TorchRuntime
+from mtpmeta.buffers.device_runtime import TorchRuntime, get_runtime
 
 from tests.test_bench_trace import TINY
 
@@ -29,9 +29,13 @@ def trace():
     return make_trace(STANDARD_TRACE, STEPS, seed=0)
 
 
-def _meta_counts(path, trace, known=None, wrap=None):
-    """Per step: (device data ops, syncs, bytes read back) of ``path`` on meta."""
-    replay = Replay(path, STANDARD_TRACE, torch.device("meta"), known=known)
+def _step_counts(path, trace, device="meta", known=None, wrap=None, counts=False):
+    """Per step of ``path`` on ``device``: (device data ops, syncs, bytes read back, the
+    commit pass's eager attention state). On meta the patched helpers' read-backs are
+    answered with ``known`` (default: what a CPU replay read)."""
+    if known is None and path == "megatron engine" and device == "meta":
+        known = known_syncs(STANDARD_TRACE, trace, path, counts)
+    replay = Replay(path, STANDARD_TRACE, torch.device(device), known=known, counts=counts)
     if wrap is not None:
         wrap(replay.placement.engine)
     is_device = replay.runtime.is_device if replay.runtime is not None else None
@@ -44,14 +48,36 @@ def _meta_counts(path, trace, known=None, wrap=None):
             with DeviceOpCounter(is_device) as counter:
                 replay.run(step)
             after, bytes_after = replay.read_backs()
+            state = replay.placement.engine.non_graph_attn_metadata["mha_metadata"].state
             out.append((counter.device_data_ops, counter.scalar_reads + after - reads,
-                        bytes_after - nbytes))
+                        bytes_after - nbytes, dict(state)))
+        replay.reset()  # every known read-back of the last step was made
     return out
+
+
+def _meta_counts(path, trace, known=None, wrap=None):
+    """Per step: (device data ops, syncs, bytes read back) of ``path`` on meta."""
+    return [counted[:3] for counted in _step_counts(path, trace, known=known, wrap=wrap)]
+
+
+def _reading(helper_name, read):
+    """A ``wrap`` that makes the engine's ``helper_name`` call ``read(args)`` after it."""
+    def plant(engine):
+        helper = getattr(engine, helper_name)
+
+        def reading(*args, **kwargs):
+            helper(*args, **kwargs)
+            read(args)
+
+        setattr(engine, helper_name, reading)
+
+    return plant
 
 
 def test_every_read_back_of_a_held_device_tensor_is_counted_with_its_bytes():
     """Each way the host can read a device tensor counts one sync and the bytes read;
-    views and device ops keep it a device tensor and read nothing."""
+    views and device ops keep it a device tensor and read nothing; a ``to_host`` read's
+    values are recorded, for the same read on meta."""
     runtime = PlacementRuntime(TorchRuntime())
     counts = runtime.mark(torch.arange(6, dtype=torch.int64))
     reads = [lambda: counts.cpu(), lambda: counts.tolist(), lambda: counts.numpy(),
@@ -62,6 +88,7 @@ def test_every_read_back_of_a_held_device_tensor_is_counted_with_its_bytes():
         value = read()
         assert not isinstance(value, DeviceHeld)
         assert runtime.syncs == number and runtime.read_bytes == 48 * number
+    assert len(runtime.recorded) == 1 and torch.equal(runtime.recorded[0], torch.arange(6))
     view, summed = counts[2:4], counts + 1
     assert isinstance(view, DeviceHeld) and isinstance(summed, DeviceHeld)
     assert runtime.is_device(view) and runtime.is_device(summed.sum())
@@ -71,40 +98,111 @@ def test_every_read_back_of_a_held_device_tensor_is_counted_with_its_bytes():
     assert not runtime.is_device(torch.arange(3))
 
 
+def test_a_meta_read_back_is_answered_from_the_known_values_in_order():
+    """``to_host`` of a meta tensor returns the next expected value, counted with its
+    bytes; a read of another shape or dtype, a read with none left and a value left
+    unread all raise; a meta tensor is a device tensor to the library, and a runtime
+    that holds no tensors (a replay on meta) asks its inner runtime which are."""
+    inner = TorchRuntime()
+    runtime = PlacementRuntime(inner, holds=False)
+    assert runtime.is_device == inner.is_device and runtime.event == inner.event
+    with pytest.raises(ValueError, match="holds=False"):
+        runtime.mark(torch.arange(3))
+    first, second = torch.arange(4, dtype=torch.int64), torch.arange(3, dtype=torch.int32)
+    meta = torch.empty(4, dtype=torch.int64, device="meta")
+    assert runtime.is_device(meta) and not runtime.is_host(meta)
+    with pytest.raises(RuntimeError, match="no known value left"):
+        runtime.to_host(meta)  # nothing expected
+    runtime.expect([first, second])
+    answer = runtime.to_host(meta)
+    assert torch.equal(answer, first) and answer.device.type == "cpu"
+    answer.fill_(9)  # the caller's copy: the next pass's value stays
+    assert torch.equal(first, torch.arange(4))
+    assert (runtime.syncs, runtime.read_bytes) == (1, 32)
+    with pytest.raises(RuntimeError, match=r"known value is \(3,\) torch.int32"):
+        runtime.to_host(torch.empty(3, dtype=torch.int64, device="meta"))
+    runtime.expect([second])
+    with pytest.raises(RuntimeError, match=r"known value is \(3,\)"):
+        runtime.to_host(torch.empty(2, dtype=torch.int32, device="meta"))
+    runtime.expect([second])
+    with pytest.raises(RuntimeError, match="1 known read-back.* left unread"):
+        runtime.expect(None)
+    runtime.to_host(torch.empty(3, dtype=torch.int32, device="meta"))
+    assert (runtime.syncs, runtime.read_bytes) == (2, 44)
+    with pytest.raises(RuntimeError, match="no known value left"):
+        runtime.to_host(torch.empty(3, dtype=torch.int32, device="meta"))
+    runtime.expect(None)
+
+
+@pytest.mark.parametrize("counts", [True, False])
+def test_the_meta_replay_reads_back_what_the_cpu_replay_read(trace, counts):
+    """Per step, the patched helpers on meta (device inputs real meta tensors) make the
+    CPU replay's read-backs (held device tensors): the same syncs and bytes, and the
+    answered values give the commit pass the same attention bounds."""
+    cpu = _step_counts("megatron engine", trace, "cpu", counts=counts)
+    meta = _step_counts("megatron engine", trace, counts=counts)
+    assert [counted[1:] for counted in meta] == [counted[1:] for counted in cpu]
+    for step, (ops, syncs, nbytes, state) in zip(trace, meta):
+        assert (syncs, nbytes) == (1, 16 * step.append_counts.numel())
+        assert ops > 0 and state["max_seqlen_q"] == int(step.append_counts.max())
+
+
+def _altered(known, index, change):
+    out = [list(values) for values in known]
+    out[index] = change(out[index])
+    return out
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda values: [values[0][:-1]], r"known value is \("),
+    (lambda values: [values[0].to(torch.int32)], "known value is .* torch.int32"),
+    (lambda values: [], "no known value left"),
+    (lambda values: values + values, "left unread"),
+])
+def test_a_known_read_back_that_does_not_match_stops_the_meta_replay(trace, change,
+                                                                     message):
+    """A queue whose step-1 value has another shape or dtype, or is missing, or that has
+    one more value than the step reads, raises instead of answering."""
+    known = known_syncs(STANDARD_TRACE, trace[:3], "megatron engine", True)
+    assert all(len(values) == 1 for values in known)
+    with pytest.raises(RuntimeError, match=message):
+        _step_counts("megatron engine", trace[:3], known=_altered(known, 1, change),
+                     counts=True)
+
+
+def test_an_extra_read_back_on_meta_stops_the_replay(trace):
+    """A read the CPU replay did not make cannot be answered on meta: through the
+    runtime's ``to_host`` it finds no known value left, through a tensor method it
+    cannot run; either way the replay stops."""
+    known = known_syncs(STANDARD_TRACE, trace[:2], "megatron engine", True)
+    extra = _reading("_mtp_setup_prefill_step",
+                     lambda args: get_runtime().to_host(args[0]))
+    with pytest.raises(RuntimeError, match="no known value left"):
+        _step_counts("megatron engine", trace[:2], known=known, wrap=extra, counts=True)
+    listed = _reading("_mtp_setup_prefill_step", lambda args: args[0].tolist())
+    with pytest.raises(NotImplementedError, match="meta"):
+        _step_counts("megatron engine", trace[:2], known=known, wrap=listed, counts=True)
+
+
 def test_the_counting_catches_a_planted_extra_read_back(trace):
-    """Negative control: the patched commit helper made to read its counts back once
-    more (a ``.tolist()``) shows one more sync and 8 B per request more per step."""
-    plain = _meta_counts("megatron engine", trace)
-
-    def plant(engine):
-        helper = engine._mtp_setup_prefill_step
-
-        def reading_more(append_counts, *args, **kwargs):
-            append_counts.tolist()
-            return helper(append_counts, *args, **kwargs)
-
-        engine._mtp_setup_prefill_step = reading_more
-
-    planted = _meta_counts("megatron engine", trace, wrap=plant)
-    for step, (ops, syncs, nbytes), (_, more_syncs, more_bytes) in zip(trace, plain,
-                                                                       planted):
+    """Negative control, on the CPU replay whose reads the meta replay answers: the
+    patched commit helper made to read its counts back once more (a ``.tolist()``)
+    shows one more sync and 8 B per request more per step."""
+    plain = _step_counts("megatron engine", trace, "cpu")
+    planted = _step_counts("megatron engine", trace, "cpu", wrap=_reading(
+        "_mtp_setup_prefill_step", lambda args: args[0].tolist()))
+    for step, (_, syncs, nbytes, _), (_, more_syncs, more_bytes, _) in zip(trace, plain,
+                                                                           planted):
         assert more_syncs == syncs + 1
         assert more_bytes == nbytes + 8 * step.append_counts.numel()
 
 
 def test_a_read_back_of_a_meta_tensor_stops_the_replay(trace):
     """A read-back no one answers cannot pass uncounted: on meta it raises."""
-    def plant(engine):
-        helper = engine._mtp_begin_decode
-
-        def reading(count, padded, starts, graphed=False):
-            engine.gpu_view.token_to_block_idx[:1].item()
-            return helper(count, padded, starts, graphed)
-
-        engine._mtp_begin_decode = reading
-
-    with pytest.raises(RuntimeError, match="meta"):
-        _meta_counts("megatron engine", trace[:1], wrap=plant)
+    planted = _reading("_mtp_begin_decode",
+                       lambda args: args[2][:1].sum().item())  # the device start positions
+    with pytest.raises(RuntimeError, match=r"item\(\) cannot be called on meta"):
+        _step_counts("megatron engine", trace[:1], wrap=planted)
 
 
 def test_upstream_helpers_on_the_placement_sync_once_per_commit(trace):

@@ -22,19 +22,31 @@ Read-backs. Torch's ``meta`` device holds no values, so a read-back there has to
 answered from the trace, and is counted as it is answered:
 
 - upstream's go through the reference's ``_host_int`` (``HostKnownReference``);
-- for the patched helpers, the commit inputs are :class:`DeviceHeld` tensors: device
+- the patched helpers read the client's device inputs back only through the runtime's
+  ``to_host`` (a blocking copy on a GPU). On ``meta`` the inputs are real ``meta``
+  tensors, as on a GPU they are real device tensors, and :class:`PlacementRuntime`
+  answers each ``to_host`` of a meta tensor with the next of the values the same read
+  returned on the CPU, for that step, in order (``expect``): its shape and dtype must
+  be the recorded ones, and a read with none left, or a step that leaves one unread,
+  raises. Any other read-back of a meta tensor (``.item()``, ``.tolist()``, ...)
+  cannot run and stops the replay, so none goes uncounted.
+- On the CPU (the agreement check, and the pass that records those values:
+  ``trace_replay.known_syncs``) the inputs are :class:`DeviceHeld` tensors: device
   tensors to the library (``PlacementRuntime.is_device``; contract §8), held in host
-  memory with the trace's values. Each read-back of one, through the runtime's
-  ``to_host`` (a blocking copy on a GPU) or any tensor method (``.item()``, ``.cpu()``,
-  ``.tolist()``, ``.numpy()``, a copy into the host), is answered with those values
-  and counted with its bytes. A read-back of a real ``meta`` tensor (the draft loop's
-  device start positions) cannot run and stops the replay, so none goes uncounted.
+  memory with the trace's values. Each read-back of one, through ``to_host`` (whose
+  values the runtime records, ``recorded``) or any tensor method (``.item()``,
+  ``.cpu()``, ``.tolist()``, ``.numpy()``, a copy into the host), is answered with
+  those values and counted with its bytes.
+
+A held tensor's Python ``__torch_function__`` runs on every op on it, which a GPU's
+device tensor does not pay; the timed rows run on ``meta`` and pay none of it.
 """
 
 from __future__ import annotations
 
 import types
-from typing import Any, Optional
+from collections import deque
+from typing import Any, Deque, List, Optional, Sequence
 
 import torch
 
@@ -84,29 +96,61 @@ class DeviceHeld(torch.Tensor):
                 else result
 
 
+#: The runtime calls a ``PlacementRuntime`` leaves to its inner runtime.
+_INNER_CALLS = ("host_empty", "record_stream", "event", "current_stream", "is_capturing",
+                "synchronize", "fence")
+
+
 class PlacementRuntime:
     """A device runtime (``mtpmeta.buffers.device_runtime``) over ``inner`` that also
     takes the tensors made by :meth:`mark` (``DeviceHeld``) as device tensors, and
-    answers and counts each read-back of one, through ``to_host`` or any tensor
-    method: ``syncs`` and ``read_bytes``."""
+    answers and counts each read-back (``syncs``, ``read_bytes``): of a held tensor,
+    through ``to_host`` or any tensor method, with its values (a ``to_host`` one also
+    appended to ``recorded``); of a ``meta`` tensor, through ``to_host``, with the
+    next value :meth:`expect` was given (module docstring).
 
-    def __init__(self, inner: Any) -> None:
+    ``holds``: whether it takes held tensors; without them (a replay on meta) which
+    tensors are the device's is ``inner``'s answer, asked directly, and every call but
+    ``to_host`` costs what it costs on ``inner``, so a timed row pays no more for its
+    runtime than on a GPU."""
+
+    def __init__(self, inner: Any, holds: bool = True) -> None:
         self.inner = inner
+        self.holds = holds
         self.syncs = 0
         self.read_bytes = 0
+        self.recorded: List[torch.Tensor] = []
+        self._known: Optional[Deque[torch.Tensor]] = None
         self.held = type("DeviceHeld", (DeviceHeld,), {"runtime": self})
+        for name in _INNER_CALLS:  # bound once: no look-up through this object per call
+            setattr(self, name, getattr(inner, name))
+        if not holds:
+            self.is_device, self.is_host = inner.is_device, inner.is_host
 
-    def __getattr__(self, name: str) -> Any:  # events, streams, allocation: inner's
+    def __getattr__(self, name: str) -> Any:  # anything else inner has
         return getattr(self.inner, name)
 
     def mark(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` as a device tensor held in host memory."""
+        """``tensor`` as a device tensor held in host memory; ``ValueError`` on a runtime
+        that holds none."""
+        if not self.holds:
+            raise ValueError("mark: this runtime takes no held tensors (holds=False)")
         return tensor.as_subclass(self.held)
 
     def count(self, tensor: torch.Tensor) -> None:
         """One read-back of ``tensor``: a sync, and its bytes."""
         self.syncs += 1
         self.read_bytes += tensor.numel() * tensor.element_size()
+
+    def expect(self, values: Optional[Sequence[torch.Tensor]]) -> None:
+        """The values of the next ``to_host`` reads of meta tensors, in order (a step's:
+        ``recorded`` by the same step on the CPU); None: none. ``RuntimeError`` when the
+        values expected before are not all read."""
+        if self._known:
+            raise RuntimeError(f"meta read-backs: {len(self._known)} known read-back(s) "
+                               f"left unread, the next of shape "
+                               f"{tuple(self._known[0].shape)} {self._known[0].dtype}")
+        self._known = None if values is None else deque(values)
 
     def is_device(self, tensor: torch.Tensor) -> bool:
         return isinstance(tensor, DeviceHeld) or self.inner.is_device(tensor)
@@ -118,12 +162,32 @@ class PlacementRuntime:
                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """A host copy of a device tensor (a blocking copy on a GPU), into ``out``
         when given."""
-        if not isinstance(tensor, DeviceHeld):
+        if isinstance(tensor, DeviceHeld):
+            self.count(tensor)
+            with torch._C.DisableTorchFunctionSubclass():
+                value = tensor.as_subclass(torch.Tensor).clone()
+            self.recorded.append(value.clone())
+        elif tensor.is_meta:
+            value = self._answer(tensor)
+        else:
             return self.inner.to_host(tensor, out=out)
+        return value if out is None else out.copy_(value)
+
+    def _answer(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The next expected value for a read of the meta ``tensor``; ``RuntimeError``
+        when none is left or it is not of ``tensor``'s shape and dtype."""
+        if not self._known:
+            raise RuntimeError(f"{_read(tensor)}: no known value left for it")
+        value = self._known.popleft()
+        if value.shape != tensor.shape or value.dtype != tensor.dtype:
+            raise RuntimeError(f"{_read(tensor)}: the known value is "
+                               f"{tuple(value.shape)} {value.dtype}")
         self.count(tensor)
-        with torch._C.DisableTorchFunctionSubclass():
-            value = tensor.as_subclass(torch.Tensor)
-            return value.clone() if out is None else out.copy_(value)
+        return value.clone()
+
+
+def _read(tensor: torch.Tensor) -> str:
+    return f"a read-back of a meta {tuple(tensor.shape)} {tensor.dtype} tensor"
 
 
 def patched_engine(metadata: Any, gpu_view: Any, block_table: torch.Tensor,
@@ -146,8 +210,10 @@ class EnginePlacement:
         self.counts = self.table = self.starts = self.draft_starts = None
         self.total = 0
 
-    def _device(self, tensor: torch.Tensor, marked: bool) -> torch.Tensor:
-        if marked and self.runtime is not None:
+    def _device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` as the client's device input: a real device (``meta``) tensor, or
+        on the CPU a held one for the patched helpers (a plain one for upstream's)."""
+        if self.device.type == "cpu" and self.runtime is not None:
             return self.runtime.mark(tensor.clone())
         return tensor.to(self.device)
 
@@ -159,13 +225,11 @@ class EnginePlacement:
         engine.request_matched_prefix_blocks[:requests] = step.inherited
         engine.request_kv_block_counts.copy_(step.block_counts)
         active = engine.request_to_kv_block_ids[0:requests][:step.append_counts.numel()]
-        self.counts = self._device(step.append_counts.to(torch.int64), True)
-        self.table = self._device(active, True)
-        self.starts = self._device(step.commit_starts.to(torch.int64), True)
+        self.counts = self._device(step.append_counts.to(torch.int64))
+        self.table = self._device(active)
+        self.starts = self._device(step.commit_starts.to(torch.int64))
         self.total = int(step.append_counts.sum())
-        starts = step.start_positions.to(torch.int64)
-        # on meta a real device tensor; on the CPU (the agreement check) a marked one
-        self.draft_starts = self._device(starts, self.device.type == "cpu")
+        self.draft_starts = self._device(step.start_positions.to(torch.int64))
 
     def run(self, step: Any, meta: Any, depths: int) -> None:
         """The step's commit pass and graphed draft loop through the engine's helpers;

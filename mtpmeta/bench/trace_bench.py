@@ -10,8 +10,10 @@ GPU step) or on the CPU (the direct path, a CPU deployment). Per row: the median
 p90 over steps of each step's median over passes, the ratio against the reference on
 the same device (and inputs), device data ops, syncs and CUDA event/stream calls per
 step (``counters.CountingRuntime``), and the launch-cost estimate "meta µs + 4 µs per
-device data op". The reference's read-backs on meta are answered from the host
-(``HostKnownReference``): ``syncs`` counts them, upstream's syncs per step.
+device data op". The read-backs on meta are answered from the host with the values a
+CPU replay of the trace read (``trace_replay.known_syncs``): the reference's
+(``HostKnownReference``) and the patched helpers' of the client's device inputs
+(``engine_placement.PlacementRuntime``); ``syncs`` counts them.
 
 What each row tells a scheduler author: ``megatron, engine placement`` (the headline)
 is Megatron's engine as its client really calls (device commit inputs, the context's
@@ -179,20 +181,29 @@ def _counts(replay: Replay, trace: List[TraceStep]) -> Dict[str, Any]:
             "d2h_bytes": (bytes_after - read_bytes) / steps, "overloads": overloads}
 
 
-def _replay(row: TraceRow, config: TraceConfig, known: Dict[str, List[List[int]]]
-            ) -> Replay:
+#: Per step, the values a CPU replay read back, by ``known_syncs``'s ``(path, counts)``.
+Known = Dict[Tuple[str, bool], List[List[Any]]]
+
+
+def known_sequence(row: TraceRow) -> Tuple[str, bool]:
+    """Whose read-backs ``row``'s replay makes, as ``known_syncs``'s ``(path, counts)``:
+    the engine-placement paths their own, every other path the reference's."""
+    if row.path in ("upstream engine", "megatron engine"):
+        return row.path, row.block_counts
+    return "reference", False
+
+
+def _replay(row: TraceRow, config: TraceConfig, known: Known) -> Replay:
     """``row``'s replay; on meta, a path that reads back gets the host's values
-    (``known``: by the path whose sequence of read-backs it makes: upstream's helpers
-    their own, every other path the reference's)."""
-    sequence = "upstream engine" if row.path == "upstream engine" else "reference"
+    (``known``, by :func:`known_sequence`)."""
     return Replay(row.path, config, torch.device(row.device),
                   table_device=row.device if row.device_inputs else "cpu",
-                  known=known.get(sequence) if row.device == "meta" else None,
+                  known=known.get(known_sequence(row)) if row.device == "meta" else None,
                   counts=row.block_counts)
 
 
 def _runtime_calls(row: TraceRow, config: TraceConfig, trace: List[TraceStep],
-                   known: Dict[str, List[List[int]]]) -> Optional[Dict[str, float]]:
+                   known: Known) -> Optional[Dict[str, float]]:
     if row.path in ("reference", "upstream engine") or row.device == "cpu":
         return None
     runtime = CountingRuntime()
@@ -212,8 +223,8 @@ def measure_trace(config: TraceConfig, steps: int, *, repeats: int = 5, seed: in
     torch.set_num_threads(1)
     rows = rows_for("standard") if rows is None else rows
     trace = make_trace(config, steps, seed=seed)
-    known = {path: known_syncs(config, trace, path) for path in ("reference", "upstream engine")
-             if path == "reference" or any(row.path == path for row in rows)}
+    known = {sequence: known_syncs(config, trace, *sequence)
+             for sequence in {known_sequence(row) for row in rows if row.device == "meta"}}
     meta_trace = device_inputs(trace, "meta") if any(r.device_inputs for r in rows) \
         else trace
     result: Dict[str, Any] = {

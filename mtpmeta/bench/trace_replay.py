@@ -19,7 +19,9 @@ context's MTP helpers as ``mtpmeta.integrations.megatron.patch()`` installs them
 step declares the split ``(0, P)`` and passes the context's whole ``[R, W]`` table.
 The ``upstream engine`` and ``megatron engine`` paths drive an engine context with
 Megatron's client placement (``mtpmeta.bench.engine_placement``): upstream's helpers on
-the reference, and the helpers ``patch()`` installs.
+the reference, and the helpers ``patch()`` installs, whose read-backs of the client's
+device inputs on meta its ``PlacementRuntime`` answers with the values a CPU replay of
+the same trace read (``known_syncs``), in order, shape and dtype checked.
 """
 
 from __future__ import annotations
@@ -115,8 +117,8 @@ def _drop_in(config: TraceConfig, device: torch.device):
 #: How each path's ``(metadata, view)`` is built for a trace geometry on a device: the
 #: one place a new path joins the replay (``trace_bench.ROWS`` then names it in a row).
 #: A path whose metadata must answer read-backs from the host on ``meta`` is a
-#: ``HostKnownReference`` (a :class:`Replay` hands it the values the host knows). ``captured`` is the mirror path whose draft loop is its host
-#: side only (:class:`Replay`).
+#: ``HostKnownReference`` (a :class:`Replay` hands it the values the host knows);
+#: ``captured`` is the mirror path whose draft loop is its host side only.
 PATHS: Dict[str, Callable[[TraceConfig, torch.device], Tuple[Any, Any]]] = {
     "reference": _reference,
     "direct": lambda config, device: _library("direct", config, device),
@@ -149,8 +151,8 @@ class Replay:
                  depths: bool = False, counts: bool = False, masked: Any = False
                  ) -> None:
         self.path, self.config = path, config
-        # the patched helpers' read-backs of the client's device inputs, answered
-        self.runtime = PlacementRuntime(get_runtime()) if path == "megatron engine" else None
+        self.runtime = (PlacementRuntime(get_runtime(), holds=device.type == "cpu")
+                        if path == "megatron engine" else None)  # answers its read-backs
         with use_runtime(self.runtime) if self.runtime else contextlib.nullcontext():
             self.meta, self.view = PATHS[path](config, device)
         self.counts = counts
@@ -165,7 +167,8 @@ class Replay:
                             else torch.full_like(self.table, self.draft_empty,
                                                  device=table_device))  # begin_decode's
         # per step, for a path that answers its read-backs from the host (on meta)
-        self.known = known if isinstance(self.meta, HostKnownReference) else None
+        self.known = known if isinstance(self.meta, HostKnownReference) or (
+            self.runtime is not None and device.type == "meta") else None
         self.captured = path == "captured"
         self.depths = depths or not self.captured
         seqlen = config.block_columns * config.block_size
@@ -188,6 +191,8 @@ class Replay:
         return 0, 0
 
     def reset(self) -> None:
+        if self.runtime is not None:  # the last step's known read-backs all answered
+            self.runtime.expect(None)
         self.table.fill_(self.empty)
         if self.draft_table is not self.table:
             self.draft_table.fill_(self.draft_empty)
@@ -202,7 +207,9 @@ class Replay:
             if self.draft_table is not self.table:
                 device = self.draft_table.device
                 self.draft_table[step.table_rows.to(device)] = step.table_values.to(device)
-        if self.known is not None:
+        if self.runtime is not None:
+            self.runtime.expect(None if self.known is None else self.known[index])
+        elif self.known is not None:
             self.meta.known = iter(self.known[index])
         if self.engine is not None:  # the engine's counts and its requests' prefix hits
             requests = step.inherited.numel()
@@ -272,18 +279,20 @@ class Replay:
             self.run(step)
 
 
-def known_syncs(config: TraceConfig, trace: List[TraceStep],
-                path: str = "reference") -> List[List[int]]:
-    """The read-back values per step of ``path`` (one whose metadata is a
-    ``HostKnownReference``), from a CPU replay."""
-    replay = Replay(path, config, torch.device("cpu"))
+def known_syncs(config: TraceConfig, trace: List[TraceStep], path: str = "reference",
+                counts: bool = False) -> List[List[Any]]:
+    """The read-back values per step of ``path`` (``counts`` as ``Replay``'s) from a
+    CPU replay: the ints of one whose metadata is a ``HostKnownReference``, the host
+    tensors of the ``megatron engine`` path's ``to_host`` (``PlacementRuntime``)."""
+    replay = Replay(path, config, torch.device("cpu"), counts=counts)
+    recorded = replay.runtime.recorded if replay.runtime else replay.meta.recorded
     out = []
     replay.reset()
     for index, step in enumerate(trace):
         replay.prepare(index, step)
-        start = len(replay.meta.recorded)
+        start = len(recorded)
         replay.run(step)
-        out.append(replay.meta.recorded[start:])
+        out.append(recorded[start:])
     return out
 
 
@@ -316,8 +325,6 @@ def _device_input_replay(config: TraceConfig, trace: List[TraceStep]) -> Replay:
     """The mirror path on the CPU with the draft loop's start positions and table
     taken as device tensors (the device-input route, its depths planned at the begin:
     ``mtpmeta.mirror.device_draft_plan``); the commit pass keeps host inputs."""
-    from mtpmeta.buffers.device_runtime import use_runtime
-
     marked: set = set()
     with use_runtime(_MarkedInputs(marked)):
         replay = Replay("mirror", config, torch.device("cpu"), depths=True)
