@@ -4,20 +4,18 @@ A :class:`Replay` is one path's objects plus its own ``[R, W]`` host table: ``pr
 applies a step's table rows (untimed), ``run`` makes the step's calls in engine order
 (rows, take, commit pass, carry, draft loop). The captured row's draft loop is its host
 side only (``begin_decode(..., capture_setup=True)`` + ``end_forward``: the graph
-replays are device work the caller launches); with ``depths=True`` it also runs the
-depths eagerly, which is what a replay computes, for the agreement check.
+replays are device work the caller launches); ``depths=True`` also runs the depths
+eagerly (what a replay computes), for the agreement check.
 
 On torch's ``meta`` device the reference's read-backs (``.item()``: the commit's token
-count and longest length, and the eager loop's ``max_seqlen_k``) cannot run:
-:class:`HostKnownReference` answers each with the value the host knows, recorded once
-from a CPU replay of the same trace, and counts them (``patched``). Its
-``repeat_interleave`` gets that token count as ``output_size``, as upstream's does.
+count and longest length, the eager loop's ``max_seqlen_k``) cannot run: they are
+answered from a CPU replay of the trace and counted (:class:`HostKnownReference`).
 :class:`DropIn` is that sequence with mtpmeta's individual writers in place of its own.
 The ``megatron`` path makes the commit pass and the draft loop through an engine
 context's MTP helpers as ``mtpmeta.integrations.megatron.patch()`` installs them
 (``mtpmeta.bench.engine_context``): the trace's requests hold rows ``[0, P)``, so each
-step declares the split ``(0, P)`` and passes the context's whole ``[R, W]`` table.
-The ``upstream engine`` and ``megatron engine`` paths drive an engine context with
+step declares the split ``(0, P)`` and passes the context's whole ``[R, W]`` table. The
+``upstream engine`` and ``megatron engine`` paths drive an engine context with
 Megatron's client placement (``mtpmeta.bench.engine_placement``): upstream's helpers on
 the reference, and the helpers ``patch()`` installs, whose read-backs of the client's
 device inputs on meta its ``PlacementRuntime`` answers with the values a CPU replay of
@@ -40,8 +38,8 @@ from mtpmeta.bench.trace import TraceConfig, TraceStep
 from mtpmeta.bench.upstream_helpers import UpstreamEngineContext
 from mtpmeta.bench.variants import build, state_of
 
-__all__ = ["HostKnownReference", "DropIn", "PATHS", "ENGINE_PATHS", "PLACEMENT_PATHS", "Replay",
-           "known_syncs", "check_trace", "device_inputs"]
+__all__ = ["HostKnownReference", "DropIn", "PATHS", "ENGINE_PATHS", "PLACEMENT_PATHS",
+           "Replay", "known_syncs", "check_trace", "device_inputs"]
 
 
 class HostKnownReference(ReferenceMTPMetadata):
