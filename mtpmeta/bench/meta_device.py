@@ -62,7 +62,7 @@ def _logical_or_out(x: torch.Tensor, y: Any, *, out: torch.Tensor) -> torch.Tens
 
 def _bucketize_out(x: torch.Tensor, boundaries: torch.Tensor, *, out_int32: bool = False,
                    right: bool = False, out: torch.Tensor) -> torch.Tensor:
-    return out.resize_(x.shape)
+    return out if out.shape == x.shape else out.resize_(x.shape)
 
 
 def _repeat_interleave(repeats: torch.Tensor, *, output_size: Any = None) -> torch.Tensor:
