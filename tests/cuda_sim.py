@@ -57,6 +57,11 @@ one of another dtype, is staged through a new tensor. A row scan (the last dimen
 a contiguous tensor with more than one row) into a contiguous output of its dtype
 allocates nothing (ATen's ``scan_dim``).
 
+Device searches (``bucketize``, ``searchsorted``) that stage an operand on CUDA are
+counted (``staged_searches``): a strided input, bounds or output, or an input and
+bounds of two dtypes, goes through a new tensor (ATen's
+``searchsorted_maybe_trim_input_tensors``).
+
 A device ``_foreach_copy_`` that CUDA would run pair by pair is counted
 (``unfused_foreach_copies``): its fused multi-tensor path (ATen's ``ForeachUtils.h``)
 needs every tensor of both lists to have one dtype, be non-overlapping and dense, and
@@ -402,6 +407,8 @@ class CudaSim:
         self.uncaptured_during_capture = 0  # ops issued elsewhere during a global capture
         self.scan_workspaces = 0  # device cumsums that allocate on CUDA (module docstring)
         self.scan_log: List[str] = []
+        self.staged_searches = 0  # device bucketize/searchsorted staging an operand
+        self.search_log: List[str] = []
         self.foreach_copies = 0  # device _foreach_copy_ calls
         self.unfused_foreach_copies = 0  # ... that CUDA runs pair by pair
         self.foreach_log: List[str] = []
@@ -653,6 +660,8 @@ class CudaSim:
         schema = func._schema
         if schema.name == "aten::cumsum":
             self._note_scan(args, kwargs)
+        elif schema.name in ("aten::bucketize", "aten::searchsorted"):
+            self._note_search(schema.name, args, kwargs)
         elif schema.name == "aten::_foreach_copy_":
             self._note_foreach(args[0], args[1])
         if any(str(r.type) not in _TENSOR_RETURNS for r in schema.returns):
@@ -713,6 +722,21 @@ class CudaSim:
             self.scan_workspaces += 1
             self.scan_log.append(f"cumsum of {tuple(src.shape)} over dim {dim}: "
                                  + ", ".join(reasons))
+
+    def _note_search(self, name: str, args: tuple, kwargs: dict) -> None:
+        """Count a device search that stages an operand through a new tensor on CUDA."""
+        values, bounds = (args[0], args[1]) if name == "aten::bucketize" else \
+            (args[1], args[0])
+        out = kwargs.get("out")
+        reasons = [f"a strided {what}" for what, t in (("input", values),
+                                                       ("bounds", bounds), ("output", out))
+                   if isinstance(t, torch.Tensor) and not t.is_contiguous()]
+        if isinstance(values, torch.Tensor) and values.dtype != bounds.dtype:
+            reasons.append(f"a {values.dtype} input against {bounds.dtype} bounds")
+        if reasons:
+            self.staged_searches += 1
+            self.search_log.append(f"{name} of {tuple(bounds.shape)} bounds: "
+                                   + ", ".join(reasons))
 
     def _note_foreach(self, dsts: Sequence[torch.Tensor],
                       srcs: Sequence[torch.Tensor]) -> None:

@@ -151,6 +151,8 @@ def test_every_foreach_copy_takes_cudas_fused_path(layout, graphed):
         sim.synchronize()
     assert host_route > 0 and sim.foreach_copies > host_route
     assert sim.unfused_foreach_copies == 0, sim.foreach_log
+    # The planned begin's bucketize reads its own contiguous rows: nothing staged.
+    assert sim.staged_searches == 0 and sim.scan_workspaces == 0, sim.search_log
 
 
 def test_upstream_layout_keeps_every_byte_outside_the_ten_mtp_fields():

@@ -445,6 +445,7 @@ def test_device_inputs_take_the_device_route_and_match_the_reference(make_sim):
         mirror_module.DeviceRoute = original
     assert_snapshots_equal(ours, theirs)
     assert sim.scan_workspaces == 0, sim.scan_log
+    assert sim.staged_searches == 0, sim.search_log
     assert {"begin_decode", "decode_step", "stage_prefill_lengths", "write_token_maps",
             "write_mha_metadata"} <= set(calls), sorted(set(calls))
 
@@ -577,6 +578,27 @@ def test_sim_flags_scans_that_take_a_workspace_on_cuda(make_sim):
     assert sim.scan_workspaces == 4, sim.scan_log
 
 
+def test_sim_flags_searches_that_stage_an_operand_on_cuda(make_sim):
+    """A bucketize or searchsorted over contiguous operands of one dtype into a
+    contiguous output stages nothing; a strided input, bounds or output, or an input of
+    another dtype than the bounds, is copied into a new tensor first."""
+    sim = make_sim(idle=1.0)
+    with sim:
+        bounds = torch.arange(5, dtype=torch.int64) * 4
+        values = torch.arange(-6, 24, dtype=torch.int64).view(3, 10)
+        out = torch.zeros((3, 10), dtype=torch.int64)
+        torch.bucketize(values, bounds, right=True, out=out)
+        torch.searchsorted(bounds, values, right=True, out=out)
+        assert sim.staged_searches == 0, sim.search_log
+        wide = torch.zeros((3, 12), dtype=torch.int64)
+        torch.bucketize(values[:, :8], bounds, right=True, out=out[:, :8])  # input
+        torch.bucketize(values, bounds[::2], right=True, out=out)  # bounds
+        torch.bucketize(values, bounds, right=True, out=wide[:, :10])  # output
+        torch.bucketize(values.to(torch.int32), bounds, right=True, out=out)  # dtypes
+        sim.synchronize()
+    assert sim.staged_searches == 4, sim.search_log
+
+
 def test_sim_flags_foreach_copies_that_cuda_runs_pair_by_pair(make_sim):
     """CUDA fuses a ``_foreach_copy_`` into multi-tensor launches only when every tensor
     has one dtype and is dense and each pair shares sizes and strides; a word-viewed
@@ -640,6 +662,7 @@ def test_draft_loops_scan_their_sums_without_a_workspace(make_sim):
             ref.end_forward()
             assert sim.scan_workspaces == before, sim.scan_log[before:]
         sim.synchronize()
+    assert sim.staged_searches == 0, sim.search_log  # the plan's bucketize: none
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])

@@ -12,9 +12,9 @@ than it is. :func:`cpp_meta_kernels` destroys that library for the duration of a
 An op with no C++ ``Meta`` (nor ``CompositeExplicitAutograd``) kernel would then have
 none. Those the measured paths use get a thin kernel with the C++ kernel's shape and
 dtype rules (``floor_divide`` redirects to ``div(..., rounding_mode="floor")``;
-``index_select``, ``where``, ``max``, ``logical_or.out``, ``repeat_interleave`` size
-their output directly); any other such op keeps its Python kernel, and
-:func:`meta_setup_report` lists which the measured paths hit.
+``index_select``, ``where``, ``max``, ``logical_or.out``, ``repeat_interleave``,
+``bucketize.out`` size their output directly); any other such op keeps its Python
+kernel, and :func:`meta_setup_report` lists which the measured paths hit.
 """
 
 from __future__ import annotations
@@ -60,6 +60,11 @@ def _logical_or_out(x: torch.Tensor, y: Any, *, out: torch.Tensor) -> torch.Tens
     return out.resize_(_shape(x, y))
 
 
+def _bucketize_out(x: torch.Tensor, boundaries: torch.Tensor, *, out_int32: bool = False,
+                   right: bool = False, out: torch.Tensor) -> torch.Tensor:
+    return out if out.shape == x.shape else out.resize_(x.shape)
+
+
 def _repeat_interleave(repeats: torch.Tensor, *, output_size: Any = None) -> torch.Tensor:
     if output_size is None:
         raise RuntimeError("repeat_interleave on meta needs output_size")
@@ -72,7 +77,8 @@ _REDIRECTS: Dict[str, Callable[..., torch.Tensor]] = {
     "floor_divide": _floor_divide, "floor_divide.Scalar": _floor_divide,
     "floor_divide.out": _floor_divide, "index_select": _index_select,
     "where.self": _where, "max": lambda x: x.new_empty(()),
-    "logical_or.out": _logical_or_out, "repeat_interleave.Tensor": _repeat_interleave}
+    "logical_or.out": _logical_or_out, "repeat_interleave.Tensor": _repeat_interleave,
+    "bucketize.Tensor_out": _bucketize_out}
 
 
 def _overload(entry: str):

@@ -55,9 +55,9 @@ class PersistentBuffers:
     # Flat int32 device block of the device-input route's depth plan (mtpmeta.mirror.device_draft_plan):
     # the [PLANNED_DEPTHS + 1, R + 1] cumulative sums (each depth's KV sums, then the
     # query sums), whose last entry is draft_count, overlapping the
-    # [2, PLANNED_DEPTHS + 2, R + 1] position rows whose row [0, 0] is draft_head
-    # (``head_offset``). So one scan writes draft_count with every cumulative sum, and
-    # one op writes offsets with the planned positions.
+    # [2, PLANNED_DEPTHS + 2, R + 1] position and local-offset rows whose row [0, 0] is
+    # draft_head (``head_offset``). So one scan writes draft_count with every cumulative
+    # sum, and one op writes offsets with the planned positions and local offsets.
     draft_plan: Optional[torch.Tensor] = None
     # [2, R] int32, device: query_lengths and kv_lengths as its rows (one row scan
     # gives both cumulative sums).

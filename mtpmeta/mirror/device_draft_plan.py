@@ -10,27 +10,38 @@ of ``DeviceRoute``), local offsets, KV lengths and both cumulative sums. Depth `
 (the host counts the advances since the begin; no sync) then places its row of that
 plan into the view and the persistent length buffers with one ``torch._foreach_copy_``.
 
-Ops (counted by ``DeviceOpCounter``/``OpCounter`` as dispatches): ``begin`` 8 (the
+Ops (counted by ``DeviceOpCounter``/``OpCounter`` as dispatches): ``begin`` 7 (the
 copy into ``block_table``, the copy into the plan's padded table, one addcmul that
-writes ``offsets[:n]``, every planned position and the query row's ones, a floor
-division giving positions and block columns, a clamp, a gather, a remainder, and one
+writes every planned position and the query row's ones as int64, one remainder that
+narrows them to the int32 position rows (``offsets[:n]`` among them) and gives their
+local offsets, a bucketize giving every planned block column, a gather, and one
 row-wise cumsum giving every depth's KV sums and the cumulative query lengths, pad
 entries flat, and ``draft_count``), one more when ``n`` is below the last planned
 loop's (that loop's scan input past ``n`` is zeroed first); each planned depth 1; a
-depth past the plan takes ``DeviceRoute``'s per-depth ops. On CUDA the
-``_foreach_copy_`` is one multi-tensor
-launch only when every pair has one dtype (4- and 8-byte fields are read as int32
-words, as ``placement.CopyPlan`` does) and every tensor is dense with its pair's
-strides (all of them are prefixes and whole rows; the simulator's
-``unfused_foreach_copies`` checks it, ``tests/test_op_budget.py``): the plan's block ids are kept in the dtype of
-the last view's ``token_to_block_idx`` (a change costs one fill of the padded table's
-``D`` columns at the next begin); a pair whose dtypes differ (the first loop on another
-view dtype, a ``block_table_dtype`` unlike the view's) goes as its own ``copy_``. The
-copy of ``[n, W]`` table rows is part of each depth's placement. The cumsum scans whole
+depth past the plan takes ``DeviceRoute``'s per-depth ops. Both table copies stay:
+the host table crosses into the contiguous ``block_table`` rows (a strided
+destination would stage it through a temporary), and a gather from contiguous rows
+can reach no ``D`` entry for a column outside its row. Exact for every start
+position: the addcmul sums the int32 bits of the start positions (an int64 tensor's
+low words, a view) and ``d`` in int32, as ``offsets + d`` wraps, then widens; the
+remainder by ``2**32`` keeps those bits, the one by ``BS`` is int32 ``pos % BS``.
+
+On CUDA the ``_foreach_copy_`` is one multi-tensor launch only when every pair has one
+dtype (4- and 8-byte fields are read as int32 words, as ``placement.CopyPlan`` does)
+and every tensor is dense with its pair's strides (all are prefixes and whole rows;
+the simulator's ``unfused_foreach_copies`` checks it, ``tests/test_op_budget.py``):
+the plan's block ids are kept in the dtype of the last view's ``token_to_block_idx``
+(a change costs one fill of the padded table's ``D`` columns at the next begin); a
+pair whose dtypes differ (the first loop on another view dtype, a
+``block_table_dtype`` unlike the view's) goes as its own ``copy_``. The copy of
+``[n, W]`` table rows is part of each depth's placement. The cumsum scans whole
 ``[PLANNED_DEPTHS, R + 1]`` rows, contiguous in and out: CUDA's row scan, which stages
 nothing through a temporary and needs no workspace (a 1-D ``cumsum`` on CUDA is a cub
 scan whose temporary storage comes from the caching allocator at every call); the
-other ops are elementwise, a gather and copies, which take strided views as they are.
+bucketize reads and writes whole contiguous ``[K, R]`` rows of its bounds' dtype (a
+strided or converted operand is staged through a copy); the other ops are
+elementwise (converting to the output's dtype in the kernel), a gather and copies,
+which take strided views as they are.
 
 Snapshot: the plan is taken from ``start_positions`` and ``block_table_src`` at the
 begin. As on the host route, an in-place edit of ``active_offsets`` or
@@ -38,21 +49,23 @@ begin. As on the host route, an in-place edit of ``active_offsets`` or
 rows still come from ``block_table`` at every depth); call ``begin_decode`` again.
 
 Layout tricks (``PersistentBuffers.draft_plan``): ``offsets`` is row ``[0, 0]`` of the
-``[2, PLANNED_DEPTHS + 2, R + 1]`` int32 position rows (row ``[0, d]``: ``offsets + d``,
-row ``[1, d]``: ``offsets + d + BS`` for ``d <= PLANNED_DEPTHS``, row ``[0, K + 1]``:
-``n`` ones, each after one leading entry: ``draft_count`` in row ``[0, 0]``, 0 in the
-others), so the addcmul that plans the positions also copies the start positions, and
-rows ``[0, 1:]`` (a 0, then depth ``d``'s KV lengths ``offsets + d + 1``, then the
-ones) are the scan input as they stand, zero past ``n``. The scan's output
-``[PLANNED_DEPTHS + 1, R + 1]`` ends where the position rows begin, so its last entry,
-the query row's total ``n``, is ``draft_count``; its query row is ``min(i, n)``, the
-cumulative query lengths. Block ids come from a padded table ``[R, W + 2]`` (``D`` in
-columns 0 and ``W + 1``) gathered at ``clamp((pos + BS) // BS, 0, W + 1)``: an
+``[2, PLANNED_DEPTHS + 2, R + 1]`` int32 rows (row ``[0, d]``: ``offsets + d``, row
+``[1, d]``: its local offsets ``(offsets + d) % BS`` for ``d <= PLANNED_DEPTHS``, row
+``[0, K + 1]``: ``n`` ones, each after one leading entry: ``draft_count`` in row
+``[0, 0]``, 0 in the others), so the remainder that narrows the planned positions also
+writes the offsets, and rows ``[0, 1:]`` (a 0, then depth ``d``'s KV lengths
+``offsets + d + 1``, then the ones) are the scan input as they stand, zero past ``n``.
+The scan's output ``[PLANNED_DEPTHS + 1, R + 1]`` ends where the position rows begin,
+so its last entry, the query row's total ``n``, is ``draft_count``; its query row is
+``min(i, n)``, the cumulative query lengths. Block ids come from a padded table
+``[R, W + 2]`` (``D`` in columns 0 and ``W + 1``) gathered at the bucket of each
+position among ``0, BS, ..., W * BS`` (``clamp((pos + BS) // BS, 0, W + 1)``): an
 out-of-table column lands on a ``D`` column without a mask.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -67,6 +80,18 @@ from mtpmeta.mirror.prefixes import Prefixes
 __all__ = ["DraftPlan", "PLANNED_DEPTHS"]
 
 K = PLANNED_DEPTHS
+_LOW_WORD = 0 if sys.byteorder == "little" else 1  # an int64's low int32 word
+
+
+def _int32_bits(start_positions: Tensor, count: int) -> Tensor:
+    """``start_positions[:count]`` as the int32 values the ``offsets`` buffer takes from
+    them: an int64 tensor's low words (a view; a copy into int32 keeps those bits), any
+    other dtype as it is."""
+    if start_positions.dtype is not torch.int64:
+        return start_positions[:count]
+    if start_positions.dim() == 1 and start_positions.stride(0) == 1:
+        return start_positions.view(torch.int32)[_LOW_WORD:2 * count:2]
+    return start_positions[:count].unsqueeze(1).view(torch.int32)[:, _LOW_WORD]
 
 
 def _cuts(tensor: Tensor, words: bool, counter: List[int]) -> Prefixes:
@@ -98,9 +123,9 @@ class DraftPlan:
 
     Scratch (device, fixed addresses, allocated here): the padded table ``[R, W + 2]``
     (int64 storage, read as int32 when the view's block ids are int32), block ids
-    ``[K, R]`` (same), int64 positions and block columns ``[2, K, R]``, int32 local
-    offsets ``[K, R]``, and constants (steps, scales, divisors, ``arange``,
-    ones-then-zeros, ``D``, zeros); the position rows and sums are in
+    ``[K, R]`` (same), int64 positions ``[K + 2, R]`` and block columns ``[K, R]``, and
+    constants (steps, scales, moduli, bucket bounds, ``arange``, ones-then-zeros, ``D``,
+    zeros); the int32 position rows, local offsets and sums are in
     ``buffers.draft_plan``.
     """
 
@@ -120,6 +145,7 @@ class DraftPlan:
         self._sums = flat[:start + 1].view(K + 1, row)
         self._rows = flat[start:].view(2, K + 2, row)  # [0, 0] is draft_head
         self._positions = self._rows[0, :K + 1, 1:]  # [K + 1, R]: offsets + d
+        self._local = self._rows[1, :K, 1:]  # [K, R]: (offsets + d) % BS
         self._planned_rows = self._rows[:, :, 1:]  # [2, K + 2, R]
         # [K + 1, R + 1], the sums' scan input: depth d's KV lengths offsets + d + 1
         # (rows 0..K-1), then n ones (row K), each after a 0 (column 0, never written)
@@ -127,19 +153,20 @@ class DraftPlan:
         self._scan_rows = self._rows[0, 1:]
         self._dirty = 0
         # Factory ops only (the CUDA simulator of the tests tracks those as device).
-        depths = torch.arange(K + 1, dtype=i32, device=device)
-        # Row [g, d] of the planned rows is steps[g, d] + start * scales[g, d]: d and
-        # d + BS for d <= K, then 1 (the query row, scale 0) and an unused 0.
-        self._steps = torch.zeros((2, K + 2, 1), dtype=i32, device=device)  # [g, d, 1]
-        self._steps[0, :K + 1, 0].copy_(depths)  # d
-        torch.add(depths, block_size, out=self._steps[1, :K + 1, 0])  # d + BS
-        self._steps[0, K + 1].fill_(1)
-        self._scales = torch.ones((2, K + 2, 1), dtype=i32, device=device)
-        self._scales[:, K + 1].zero_()
-        self._divisors = torch.ones((2, 1, 1), dtype=i64, device=device)  # 1, BS
-        self._divisors[1].fill_(block_size)
-        self._quotients = torch.zeros((2, K, requests), dtype=i64, device=device)
-        self._local = torch.zeros((K, requests), dtype=i32, device=device)
+        # Row d of the wide positions is steps[d] + start * scales[d]: d for d <= K,
+        # then 1 (the query row, scale 0).
+        self._steps = torch.arange(K + 2, dtype=i32, device=device).view(K + 2, 1)
+        self._steps[K + 1].fill_(1)
+        self._scales = torch.ones((K + 2, 1), dtype=i32, device=device)
+        self._scales[K + 1].zero_()
+        # [K + 2, R] int64: the planned positions (token_to_pos_ids' rows) and the ones.
+        self._wide = torch.zeros((K + 2, requests), dtype=i64, device=device)
+        self._moduli = torch.full((2, 1, 1), 1 << 32, dtype=i64, device=device)
+        self._moduli[1].fill_(block_size)  # 2**32: the int32 bits; BS: local offsets
+        # The bucketize's bounds 0, BS, ..., W * BS, input [K, R] and block columns.
+        self._bounds = torch.arange(width + 1, dtype=i64, device=device) * block_size
+        self._planned_wide = self._wide[:K]
+        self._columns = torch.zeros((K, requests), dtype=i64, device=device)
         self._arange = torch.arange(row + 1, dtype=i32, device=device)
         self._ones_zeros = torch.zeros(2 * requests, dtype=i32, device=device)
         self._ones_zeros[:requests].fill_(1)
@@ -178,7 +205,7 @@ class DraftPlan:
             self._src.append({
                 "local": cut(self._local[d], True),
                 "pos32": cut(self._positions[d], True),
-                "pos64": cut(self._quotients[0, d], True),
+                "pos64": cut(self._wide[d], True),
                 "kv": cut(self._positions[d + 1], True),
                 "sums_kv": cut(self._sums[d], True)})
         self._consts = {"ones_zeros": cut(self._ones_zeros), "zeros": cut(self._zeros),
@@ -201,7 +228,7 @@ class DraftPlan:
     def begin(self, count: int, padded: int, start_positions: Tensor,
               table_src: Tensor, host_table: bool = False) -> None:
         """Copy the inputs (``offsets[:n]``, ``block_table[:n]``, ``draft_count``) and
-        plan depths ``0..K-1`` of the loop: 8 device ops (see the module docstring).
+        plan depths ``0..K-1`` of the loop: 7 device ops (see the module docstring).
 
         ``host_table``: ``table_src`` is in host memory (the engine's pinned table).
         Its rows then cross to the device once, into ``block_table[:n]`` (both
@@ -214,23 +241,26 @@ class DraftPlan:
         if self._dummy_columns is not dtype:  # a new block dtype: its D columns
             table[:, ::w + 1].fill_(self.dummy)
             self._dummy_columns = dtype
-        if n:
-            (table_rows, padded_rows, planned, divided, quotients, columns, index, blocks,
-             positions, local, gathered) = self._rows_views(dtype, n)
-            rows_src = table_src[:n]
-            table_rows.copy_(rows_src, non_blocking=True)
-            padded_rows.copy_(table_rows if host_table else rows_src, non_blocking=True)
-            # offsets[:n] (row [0, 0]), offsets + d, offsets + d + BS and the query
-            # row's ones, in one addcmul.
-            torch.addcmul(self._steps, start_positions[:n], self._scales, out=planned)
         if self._dirty > n:  # an older loop's scan input past n: zero it
             self._stale_rows(n).zero_()
         self._dirty = n
         if n:
-            torch.floor_divide(divided, self._divisors, out=quotients)
-            columns.clamp_(0, w + 1)  # block column + 1
+            (table_rows, padded_rows, wide, wide_pair, planned, index, blocks,
+             gathered) = self._rows_views(dtype, n)
+            rows_src = table_src[:n]
+            table_rows.copy_(rows_src, non_blocking=True)
+            padded_rows.copy_(table_rows if host_table else rows_src, non_blocking=True)
+            # offsets + d (d <= K; summed in int32, as the offsets wrap) and the query
+            # row's ones, widened to int64 (token_to_pos_ids' rows).
+            torch.addcmul(self._steps, _int32_bits(start_positions, n), self._scales,
+                          out=wide)
+            # Narrowed to int32 (mod 2**32: offsets[:n] in row [0, 0], the positions,
+            # the KV lengths and the ones) and their local offsets (mod BS), in one op.
+            torch.remainder(wide_pair, self._moduli, out=planned)
+            # Block column + 1 of each, clamped to [0, W + 1]: whole rows (contiguous
+            # in and out; the columns past n are never read).
+            torch.bucketize(self._planned_wide, self._bounds, right=True, out=self._columns)
             torch.gather(gathered, 1, index, out=blocks)
-            torch.remainder(positions, self.block_size, out=local)
         # Every depth's KV sums, then the query sums min(i, n) ending in draft_count = n:
         # each row [0, n values, 0...] scanned whole. [K + 1, R + 1] in and out, both
         # contiguous: CUDA's row scan, which needs no workspace (a 1-D scan goes through
@@ -244,12 +274,11 @@ class DraftPlan:
         views = self._row_cache.get((dtype, n))
         if views is None:
             table = self._tables[dtype]
-            quotients = self._quotients[:, :, :n]
+            wide = self._wide[:, :n]
             views = self._row_cache[(dtype, n)] = (
-                self.buffers.block_table[:n], table[:n, 1:self.width + 1],
-                self._planned_rows[:, :, :n], self._planned_rows[:2, :K, :n], quotients,
-                quotients[1], quotients[1].t(), self._blocks[dtype][:, :n].t(),
-                self._positions[:K, :n], self._local[:, :n], table[:n])
+                self.buffers.block_table[:n], table[:n, 1:self.width + 1], wide,
+                wide.expand(2, K + 2, n), self._planned_rows[:, :, :n],
+                self._columns[:, :n].t(), self._blocks[dtype][:, :n].t(), table[:n])
         return views
 
     def _stale_rows(self, start: int) -> Tensor:
@@ -324,7 +353,7 @@ class DraftPlan:
         put("token_to_local_position_within_kv_block", n, p, c["zeros"], self._zeros)
         put("token_to_request_idx", 0, n, c["arange"], self._arange)
         put("token_to_position_in_request", 0, n, src["pos32"], self._positions[d])
-        put("token_to_pos_ids", 0, n, src["pos64"], self._quotients[0, d])
+        put("token_to_pos_ids", 0, n, src["pos64"], self._wide[d])
         window = self._window(self.requests - n)
         put("mha_query_lengths", 0, p, window, window.tensor)
         put("mha_kv_seq_lengths", 0, n, src["kv"], self._positions[d + 1])

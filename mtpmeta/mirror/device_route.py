@@ -170,7 +170,7 @@ class DeviceRoute:
     def begin_decode(self, count: int, start_positions: Tensor, table_src: Tensor,
                      padded: Optional[int] = None) -> None:
         """Copy ``offsets[:n]``, ``block_table[:n]`` and ``draft_count``; with
-        ``padded``, plan the loop's depths too (``DraftPlan.begin``: 8 device ops), else
+        ``padded``, plan the loop's depths too (``DraftPlan.begin``: 7 device ops), else
         3 ops and nothing planned (the captured loop)."""
         plan = self.plan
         if padded is not None:

@@ -107,7 +107,10 @@ def check_begin_decode(geo: Geometry, active_request_count: Any, padded_count: A
                 raise ValueError(f"block_table_src: with device start positions, a "
                                  f"tensor (on the host or on {geo.device}), got a "
                                  f"{type(block_table_src).__name__}")
-            host_table = as_host_ints(block_table_src, "block_table_src", ndim=2)
+            low, high = geo.table_range
+            if block_table_src.dtype is not torch.int32 or block_table_src.dim() != 2 \
+                    or low > _INT32_MIN or high < _INT32_MAX:  # else every id fits: no read
+                host_table = as_host_ints(block_table_src, "block_table_src", ndim=2)
         starts, table, on_device = start_positions, block_table_src, True
     else:
         starts = as_host_ints(start_positions, "start_positions")
