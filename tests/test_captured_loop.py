@@ -36,7 +36,7 @@ from tests.helpers import PATHS, assert_same_state, buffer_state, make_metadata
 
 SIM_SKIP = pytest.mark.skipif(
     os.environ.get("MTPMETA_DEBUG") == "1",
-    reason="MTPMETA_DEBUG's .numpy() reads bypass the simulated device")
+    reason="MTPMETA_DEBUG's checks synchronize the simulated device after every call")
 
 
 def new_meta(path: str, **allocate: Any) -> MTPMetadata:

@@ -24,7 +24,7 @@ from tests.helpers import (PATHS, assert_same_state, buffer_state, config, make_
 
 SIM_SKIP = pytest.mark.skipif(
     os.environ.get("MTPMETA_DEBUG") == "1",
-    reason="MTPMETA_DEBUG's .numpy() reads bypass the simulated device")
+    reason="MTPMETA_DEBUG's checks synchronize the simulated device after every call")
 
 KW = config()
 R, W, BS, D = (KW["max_requests"], KW["max_kv_block_count"], KW["block_size_tokens"],

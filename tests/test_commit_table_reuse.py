@@ -38,7 +38,7 @@ from tests.upstream_view import UpstreamLayoutView
 
 under_sim = pytest.mark.skipif(
     os.environ.get("MTPMETA_DEBUG") == "1",
-    reason="MTPMETA_DEBUG's .numpy() reads bypass the simulated device")
+    reason="MTPMETA_DEBUG's checks synchronize the simulated device after every call")
 
 KWARGS = config()
 R, W, BS, D = (KWARGS["max_requests"], KWARGS["max_kv_block_count"],

@@ -25,7 +25,7 @@ from tests.test_cuda_sim import (FIELDS, host, make_sim, new_pair,  # noqa: F401
 pytestmark = [
     pytest.mark.cuda_sim,
     pytest.mark.skipif(os.environ.get("MTPMETA_DEBUG") == "1",
-                       reason="MTPMETA_DEBUG's .numpy() reads bypass the simulated device"),
+                       reason="MTPMETA_DEBUG's checks synchronize the simulated device after every call"),
 ]
 
 R, W, BS = 8, 6, 4

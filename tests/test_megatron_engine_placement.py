@@ -155,6 +155,9 @@ def engine_steps(seed: int) -> List[Dict]:
     zero = dict(steps[0])
     zero["counts"] = torch.zeros_like(zero["counts"])
     zero["padded_tokens"] = 0
+    # Nothing committed: the drafts start where the commit pass would have, which for a
+    # prefix hit lies in the row's inherited block; the step has none.
+    zero["hits"] = torch.zeros_like(zero["hits"])
     return steps + [zero]
 
 
@@ -313,3 +316,21 @@ def test_meta_inputs_are_refused_with_a_value_error_naming_them(upstream):
     with pytest.raises(ValueError, match="append_counts.*meta tensor"):
         context._mtp_setup_prefill_step(counts, context.request_to_kv_block_ids[:2],
                                         total=2)
+
+
+def test_the_invariant_checks_hold_right_after_each_helper_on_this_placement(upstream,
+                                                                           monkeypatch):
+    """``check_invariants`` straight after every helper call, with the view's writes
+    still queued on the simulated device: its reads go through the runtime's blocking
+    ``to_host``, so they see those writes, and every KV-protecting invariant holds."""
+    checked, record = [], Placement.record
+
+    def checked_record(self, what, cost):
+        self.context.mtp_metadata.check_invariants(self.context.gpu_view)
+        checked.append(what)
+        return record(self, what, cost)
+
+    monkeypatch.setattr(Placement, "record", checked_record)
+    for seed in range(2):
+        run_engine(upstream, engine_steps(seed), patched=True, seed=seed)
+    assert {"commit", "begin", "depth"} <= set(checked)

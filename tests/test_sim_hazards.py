@@ -32,7 +32,7 @@ from tests.test_cuda_sim import (ForwardLog, assert_no_hidden_copies,  # noqa: F
 pytestmark = [
     pytest.mark.cuda_sim,
     pytest.mark.skipif(os.environ.get("MTPMETA_DEBUG") == "1",
-                       reason="MTPMETA_DEBUG's .numpy() reads bypass the simulated device"),
+                       reason="MTPMETA_DEBUG's checks synchronize the simulated device after every call"),
 ]
 
 R, W, BS, D = 8, 6, 4, config()["dummy_block_idx"]

@@ -27,7 +27,7 @@ from tests.test_cuda_sim import assert_no_hidden_copies, small_step_config
 pytestmark = [
     pytest.mark.cuda_sim,
     pytest.mark.skipif(os.environ.get("MTPMETA_DEBUG") == "1",
-                       reason="MTPMETA_DEBUG's .numpy() reads bypass the simulated device"),
+                       reason="MTPMETA_DEBUG's checks synchronize the simulated device after every call"),
 ]
 
 CFG = small_step_config()

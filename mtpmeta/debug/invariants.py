@@ -1,7 +1,7 @@
 """Debug checks of ``MTPMetadata``'s invariants (``meta.check_invariants(view)``).
 
-A debug tool, not a hot-path one: every check is plain numpy over ``.cpu().numpy()``
-reads of the persistent buffers and of the destination view, so on CUDA it syncs. Each
+A debug tool, not a hot-path one: every check is plain numpy over blocking host copies
+of the persistent buffers and of the destination view, so on CUDA it syncs. Each
 check raises ``InvariantError`` explicitly (it still fires under ``python -O``) with a
 message that starts with the invariant's name and names the offending row, token or
 slot, e.g. ``"padded token rows: token 5 (pad rows [3, 6) of the last decode forward)

@@ -20,6 +20,7 @@ from typing import Any, Dict, Optional
 import numpy as np
 import torch
 
+from mtpmeta.buffers.device_runtime import get_runtime
 from mtpmeta.errors import InvariantError
 from mtpmeta.types import ForwardRecord
 
@@ -38,9 +39,12 @@ def _fail(invariant: str, detail: str) -> None:
 
 
 def _host(value: Any) -> np.ndarray:
-    """A numpy array of ``value`` (a tensor anywhere, an array or a sequence)."""
+    """A numpy array of ``value`` (a tensor anywhere, an array or a sequence). A device
+    tensor is read through the runtime's blocking ``to_host``, ordered after the work
+    queued before the check (a sync on CUDA: the checks are for debugging)."""
     if isinstance(value, torch.Tensor):
-        return value.cpu().numpy()
+        runtime = get_runtime()
+        return (runtime.to_host(value) if runtime.is_device(value) else value).numpy()
     return np.asarray(value)
 
 
@@ -59,7 +63,7 @@ def _read_fields(view: Any, names: tuple, rows: int) -> Dict[str, np.ndarray]:
         tensor = getattr(view, name, None)
         if not isinstance(tensor, torch.Tensor):
             _fail("gpu_view", f"missing tensor field {name!r}")
-        array = tensor.cpu().numpy()
+        array = _host(tensor)
         needed = rows + 1 if name.startswith("mha_cu_") else rows
         if array.shape[0] < needed:
             _fail("gpu_view", f"{name} holds {array.shape[0]} rows, the last forward "
