@@ -399,15 +399,20 @@ def test_a_draft_start_inside_an_inherited_block_is_refused(path):
     meta.begin_decode(N, N, torch.tensor([5, 4], dtype=torch.int32), table, False)
 
 
-def test_a_draft_start_inside_the_span_just_committed_is_refused(path):
-    """B committed positions 4..6; a draft from 5 would overwrite position 5 (the
-    per-row start array shifted by the paused row is the usual way to get there)."""
-    meta = _meta(path)
-    table = _table()
-    view = make_view("context", R, 16, W)
+def _b_committed_4_to_6(path):
+    """The split declared and a commit pass in which A writes 0..1 and B 4..6:
+    ``(meta, table, view)``."""
+    meta, table, view = _meta(path), _table(), make_view("context", R, 16, W)
     meta.set_request_rows(PAUSED, TOTAL)
     meta.setup_commit_pass(view, torch.tensor([2, 3], dtype=torch.int32), table,
                            start_positions=torch.tensor([0, 4], dtype=torch.int32))
+    return meta, table, view
+
+
+def test_a_draft_start_inside_the_span_just_committed_is_refused(path):
+    """B committed positions 4..6; a draft from 5 would overwrite position 5 (the
+    per-row start array shifted by the paused row is the usual way to get there)."""
+    meta, table, view = _b_committed_4_to_6(path)
     meta.end_forward()
     before = _state(meta, view)
     with pytest.raises(ValueError, match=r"draft row 1 \(context row 2\) starts at 5, "
@@ -422,12 +427,7 @@ def test_a_draft_start_inside_the_span_just_committed_is_refused(path):
 def test_a_draft_after_other_writes_is_not_held_to_an_earlier_pass(path):
     """Only the commit pass right before the begin (and on the rows as they were)
     binds its starts: after a row move the spans name other requests."""
-    meta = _meta(path)
-    table = _table()
-    view = make_view("context", R, 16, W)
-    meta.set_request_rows(PAUSED, TOTAL)
-    meta.setup_commit_pass(view, torch.tensor([2, 3], dtype=torch.int32), table,
-                           start_positions=torch.tensor([0, 4], dtype=torch.int32))
+    meta, table, view = _b_committed_4_to_6(path)
     meta.move_request_rows([2], [1])
     meta.reset_request_rows([2])
     meta.set_request_rows(PAUSED, TOTAL - 1)
