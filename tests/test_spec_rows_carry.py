@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mtpmeta import ChunkCarryError, MTPMetadata
-from tests.helpers import make_metadata
+from tests.helpers import config, make_metadata
 
 START = [10, 11, 12, 13, 14, 15, 16, 17]
 
@@ -143,6 +143,25 @@ def test_carry_accepts_any_shape_with_hidden_size_elements(path, shape):
     out = meta.take_chunk_boundary(1, 2)
     assert out.shape == (1, 1, 8)
     assert out.flatten().tolist() == [0, 1, 2, 3, 4, 5, 6, 7]
+
+
+@pytest.mark.parametrize("shape", [(8,), (1, 1, 8)])
+def test_a_meta_hidden_carries_only_into_a_meta_carry(path, shape):
+    """A meta tensor holds no data: refused, naming the carry's device, where the carry
+    holds data; on a metadata allocated on ``meta`` (the bench's host-cost replays) it
+    is that device's tensor, carried as any other, keys recorded."""
+    hidden = torch.zeros(shape, device="meta")
+    meta = make_metadata(path)
+    with pytest.raises(ValueError, match="hidden: a meta tensor holds no data to carry "
+                                         "into cpu"):
+        meta.carry_chunk_boundary(hidden, req_id=1, position=2)
+    assert meta.chunk_boundary_valid is False
+    on_meta = MTPMetadata(**config())
+    on_meta.allocate("meta")  # the mirror path: the direct one is CPU-only
+    on_meta.carry_chunk_boundary(hidden, req_id=1, position=2)
+    assert (on_meta.chunk_boundary_valid, on_meta.chunk_boundary_req_id,
+            on_meta.chunk_boundary_position) == (True, 1, 2)
+    assert on_meta.take_chunk_boundary(1, 2).is_meta
 
 
 def test_take_returns_the_persistent_buffer_itself(path):

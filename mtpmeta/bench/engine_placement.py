@@ -8,6 +8,9 @@ with its inputs placed so:
   ``[A]`` counts, a fresh ``.to(device)`` copy of the context table's active rows
   (int32 ``[A, W]``), device int64 ``[A]`` start positions, and ``total`` (the caller
   has read it already);
+- ``mtp_metadata.carry_chunk_boundary(prefill_hidden[last_row], req_id, position)``
+  for a request whose prefill continues in the next chunk: the hidden is a row of the
+  forward's packed hidden states, a device tensor;
 - ``_mtp_begin_decode(A, padded, start_positions, graphed=True)`` with device int64
   start positions; the helper reads the context's host
   (pinned) table ``request_to_kv_block_ids`` and its per-row host arrays;
@@ -167,8 +170,9 @@ class PlacementRuntime:
             with torch._C.DisableTorchFunctionSubclass():
                 value = tensor.as_subclass(torch.Tensor).clone()
             self.recorded.append(value.clone())
-        elif tensor.is_meta:
+        elif tensor.is_meta:  # the known value is kept for the next pass: copied out
             value = self._answer(tensor)
+            return value.clone() if out is None else out.copy_(value)
         else:
             return self.inner.to_host(tensor, out=out)
         return value if out is None else out.copy_(value)
@@ -183,7 +187,7 @@ class PlacementRuntime:
             raise RuntimeError(f"{_read(tensor)}: the known value is "
                                f"{tuple(value.shape)} {value.dtype}")
         self.count(tensor)
-        return value.clone()
+        return value
 
 
 def _read(tensor: torch.Tensor) -> str:
@@ -207,7 +211,7 @@ class EnginePlacement:
     def __init__(self, engine: Any, device: torch.device,
                  runtime: Optional[PlacementRuntime]) -> None:
         self.engine, self.device, self.runtime = engine, device, runtime
-        self.counts = self.table = self.starts = self.draft_starts = None
+        self.counts = self.table = self.starts = self.draft_starts = self.carry = None
         self.total = 0
 
     def _device(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -230,6 +234,10 @@ class EnginePlacement:
         self.starts = self._device(step.commit_starts.to(torch.int64))
         self.total = int(step.append_counts.sum())
         self.draft_starts = self._device(step.start_positions.to(torch.int64))
+        # The carried hidden is a row of the forward's packed hidden states, a device
+        # tensor (on the CPU replays, where the library cannot tell, a host one).
+        self.carry = None if step.carry is None else (
+            step.carry[0].view(-1).to(self.device), *step.carry[1:])
 
     def run(self, step: Any, meta: Any, depths: int) -> None:
         """The step's commit pass and graphed draft loop through the engine's helpers;
@@ -250,8 +258,8 @@ class EnginePlacement:
                                        request_start_positions=self.starts,
                                        total=self.total)
         meta.end_forward()
-        if step.carry is not None:
-            meta.carry_chunk_boundary(*step.carry)
+        if self.carry is not None:
+            meta.carry_chunk_boundary(*self.carry)
         engine._mtp_begin_decode(step.active, step.padded, self.draft_starts, graphed=True)
         for _ in range(depths):
             engine._mtp_setup_decode_step()

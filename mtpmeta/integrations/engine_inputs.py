@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from mtpmeta.buffers.device_runtime import get_runtime
+from mtpmeta.kernels import native
 from mtpmeta.validation.inputs import is_device_tensor
 
 __all__ = ["commit_inputs", "check_total", "longest_length", "ReadBack"]
@@ -60,13 +61,16 @@ def check_total(total: Any, counts: Any) -> None:
     to the commit pass's own checks)."""
     if total is None:
         return
-    try:
-        host = np.asarray(counts)
-    except (TypeError, ValueError, RuntimeError):
-        return
-    if host.ndim != 1 or host.dtype.kind not in "iu":
-        return
-    expected = int(host.sum())
+    if type(counts) is np.ndarray and counts.ndim == 1 and counts.dtype.kind == "i":
+        expected = int(native.checks.total_of(counts))  # the packed read's counts
+    else:
+        try:
+            host = np.asarray(counts)
+        except (TypeError, ValueError, RuntimeError):
+            return
+        if host.ndim != 1 or host.dtype.kind not in "iu":
+            return
+        expected = int(host.sum())
     if isinstance(total, bool) or not isinstance(total, (int, np.integer)) \
             or int(total) != expected:
         raise ValueError(f"total: {total!r}, expected the sum of append_counts "

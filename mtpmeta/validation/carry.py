@@ -26,12 +26,12 @@ def check_carry(geo: Geometry, hidden: Any, req_id: Any,
                 position: Any) -> Tuple[Tensor, int, int]:
     """``(source, req_id, position)``: ``source`` is ``hidden`` shaped to broadcast
     into the ``[1, 1, H]`` carry (detached), the keys are checked ints."""
-    if type(req_id) is int and type(position) is int and 0 <= req_id <= INT64_MAX and \
-            0 <= position <= INT64_MAX:  # the hot path: plain ints in range
-        return as_carry_source(hidden, geo.hidden_size, geo.hidden_dtype), req_id, position
-    req_id = as_count(req_id, "req_id", high=INT64_MAX, high_name="int64 max")
-    position = as_count(position, "position", high=INT64_MAX, high_name="int64 max")
-    return as_carry_source(hidden, geo.hidden_size, geo.hidden_dtype), req_id, position
+    if not (type(req_id) is int and type(position) is int and 0 <= req_id <= INT64_MAX
+            and 0 <= position <= INT64_MAX):  # plain ints in range: the hot path
+        req_id = as_count(req_id, "req_id", high=INT64_MAX, high_name="int64 max")
+        position = as_count(position, "position", high=INT64_MAX, high_name="int64 max")
+    return (as_carry_source(hidden, geo.hidden_size, geo.hidden_dtype, geo.device),
+            req_id, position)
 
 
 def check_take(carry_state: np.ndarray, req_id: Any, seam_position: Any) -> None:

@@ -279,21 +279,23 @@ def check_device_tensors(device: torch.device,
                              f"{tuple(tensor.shape)}")
 
 
-def as_carry_source(hidden: Any, size: int, hidden_dtype: torch.dtype) -> torch.Tensor:
+def as_carry_source(hidden: Any, size: int, hidden_dtype: torch.dtype,
+                    device: torch.device) -> torch.Tensor:
     """``hidden`` (a floating tensor of ``size`` elements, any shape) shaped to broadcast
-    into the ``[1, 1, size]`` chunk carry, detached."""
+    into the ``[1, 1, size]`` chunk carry on ``device``, detached. A ``meta`` hidden
+    holds no data: refused unless the carry is on ``meta`` too."""
     if type(hidden) is _Tensor and hidden.dtype is hidden_dtype and \
-            hidden.shape == (1, 1, size) and not hidden.requires_grad and \
-            not hidden.is_meta:
-        return hidden  # the hot path: already the carry's shape and dtype
+            (hidden.shape == (size,) or hidden.shape == (1, 1, size)) and \
+            not hidden.requires_grad and (not hidden.is_meta or device.type == "meta"):
+        return hidden  # the hot path: a row of hidden states, or the carry's shape
     if not isinstance(hidden, torch.Tensor):
         try:
             hidden = torch.as_tensor(hidden)
         except (RuntimeError, TypeError, ValueError) as error:
             raise InvalidDtypeError(f"hidden: expected a tensor with hidden_size "
                                     f"{size} elements ({error})") from None
-    if hidden.is_meta:
-        raise ValueError("hidden: a meta tensor holds no data to carry")
+    if hidden.is_meta and device.type != "meta":
+        raise ValueError(f"hidden: a meta tensor holds no data to carry into {device}")
     if not hidden.dtype.is_floating_point:
         raise InvalidDtypeError(f"hidden: dtype {hidden.dtype} is not a floating dtype "
                                 f"(expected {hidden_dtype})")

@@ -34,6 +34,8 @@ __all__ = ["RequestRows", "check_annotation_offset", "refuse_repeated_rows",
 def _as_int(value: Any, name: str) -> int:
     """``value`` as an int: a Python int or a numpy integer, never a bool, float or
     string (``TypeError`` naming ``name``)."""
+    if type(value) is int:  # the hot path (a bool's type is bool)
+        return value
     if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
         return int(value)
     raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
