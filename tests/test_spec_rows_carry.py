@@ -152,10 +152,14 @@ def test_a_meta_hidden_carries_only_into_a_meta_carry(path, shape):
     is that device's tensor, carried as any other, keys recorded."""
     hidden = torch.zeros(shape, device="meta")
     meta = make_metadata(path)
+    meta.carry_chunk_boundary(torch.arange(8, dtype=torch.float32), req_id=5, position=6)
+    before = meta.chunk_boundary_hidden.clone()
     with pytest.raises(ValueError, match="hidden: a meta tensor holds no data to carry "
                                          "into cpu"):
         meta.carry_chunk_boundary(hidden, req_id=1, position=2)
-    assert meta.chunk_boundary_valid is False
+    assert torch.equal(meta.chunk_boundary_hidden, before)  # nothing changed
+    assert (meta.chunk_boundary_valid, meta.chunk_boundary_req_id,
+            meta.chunk_boundary_position) == (True, 5, 6)
     on_meta = MTPMetadata(**config())
     on_meta.allocate("meta")  # the mirror path: the direct one is CPU-only
     on_meta.carry_chunk_boundary(hidden, req_id=1, position=2)
