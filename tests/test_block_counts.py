@@ -333,13 +333,13 @@ def test_column_bucket_is_a_small_fixed_set():
 
 @no_debug
 def test_counted_calls_ship_only_the_bucket_columns():
-    """Mirror path, W 64 and 512: a begin with counts copies (n + 1) head words and
+    """Mirror path, W 512 and 1024: a begin with counts copies (n + 1) head words and
     ``n * C`` table entries host-to-device, a commit pass the same bytes at both widths;
     without counts a begin ships its head region (R + 1 = 9 words, padded to 40 bytes)
     and its rows rounded up to BEGIN_ROWS (6 -> 8) of W entries. Counts of 3..5
-    blocks: C = 8."""
+    blocks: C = 8. Below 256 columns (W 64) both ship whole rows (C = W)."""
     commit_bytes = {}
-    for width in (64, 512):
+    for width in (64, 512, 1024):
         meta, _, recorder = build("mirror", max_kv_block_count=width)
         view = ContextGPUView(R, TOKENS, width, "cpu")
         rng = np.random.default_rng(0)
@@ -349,8 +349,8 @@ def test_counted_calls_ship_only_the_bucket_columns():
         for i in range(R):
             table[i, :counts[i]] = rng.integers(0, 1000, size=counts[i])
         starts = np.arange(R, dtype=np.int32)
-        columns = column_bucket(int(counts[:n].max()), width)
-        assert columns == 8
+        columns = column_bucket(int(counts[:n].max()), width) if width >= 256 else width
+        assert columns == (8 if width >= 256 else width)
         with H2DCounter(recorder) as begin:
             meta.begin_decode(n, n, starts, table, False, block_counts=counts)
         assert (begin.copies, begin.nbytes) == (2, 4 * (n + 1) + 4 * n * columns)
@@ -364,16 +364,20 @@ def test_counted_calls_ship_only_the_bucket_columns():
                                    start_positions=starts[:n], block_counts=counts)
         assert commit.copies == 1
         commit_bytes[width] = commit.nbytes
-    assert commit_bytes[64] == commit_bytes[512], commit_bytes
+    assert commit_bytes[512] == commit_bytes[1024], commit_bytes
+    assert commit_bytes[64] >= commit_bytes[512] + 4 * 6 * (64 - 8), commit_bytes
 
 
 @no_debug
+@pytest.mark.parametrize("width", [64, 512])
 @pytest.mark.parametrize("path", PATHS)
-def test_counted_calls_stay_within_their_op_budgets_with_no_sync_or_allocation(path):
+def test_counted_calls_stay_within_their_op_budgets_with_no_sync_or_allocation(path,
+                                                                               width):
     """Per call after a warm-up: the mirror path's counted begin 4 data ops (2
     without), a depth 2, a counted commit pass 3 (2 without); no scalar read-back and
-    no new storage anywhere; the direct path issues no device op at all."""
-    width = 64  # counts of at most W = 6 blocks: C = 8 < 64
+    no new storage anywhere; the direct path issues no device op at all. Counts of at
+    most 6 blocks: C = 8 at W 512; W 64 is below 256 columns, whose rows ship whole
+    (C = W): a begin and a commit pass 2 each."""
     meta, _, _ = build(path, max_kv_block_count=width)
     view = ContextGPUView(R, TOKENS, width, "cpu")
     rng = np.random.default_rng(3)
@@ -403,7 +407,8 @@ def test_counted_calls_stay_within_their_op_budgets_with_no_sync_or_allocation(p
         assert all(values == {0} for values in ops.values()), ops
         return
     assert ops["depth"] == {2} and ops["advance"] == {1}, ops
-    assert ops["begin"] == {4} and ops["commit"] == {3}, ops
+    whole = width < 256
+    assert ops["begin"] == {2 if whole else 4} and ops["commit"] == {2 if whole else 3}, ops
 
 
 @pytest.mark.parametrize("slots", [2, 3])

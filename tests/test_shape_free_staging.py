@@ -145,12 +145,14 @@ def test_builds_stop_after_warm_up_and_views_match(monkeypatch, kind, table_dtyp
     assert counts[1] == counts[2] == 0, counts
 
 
-def test_counted_calls_stop_building_after_warm_up(monkeypatch):
-    """The opt-in block counts at W 40: begins and commit passes
+@pytest.mark.parametrize("width", [40, 320])
+def test_counted_calls_stop_building_after_warm_up(monkeypatch, width):
+    """The opt-in block counts at W 320: begins and commit passes
     with per-row counts (every row 1..8 blocks, so the shipped width C is 8 or 16 of
-    40) build nothing after a warm-up of 500 random steps, over 200 more; the views
-    and buffers equal the reference's on the table with D past the counts."""
-    width, dummy = 40, config()["dummy_block_idx"]
+    320) build nothing after a warm-up of 500 random steps, over 200 more; the views
+    and buffers equal the reference's on the table with D past the counts. At W 40
+    (under 256 columns) the rows ship whole: C is 40."""
+    dummy = config()["dummy_block_idx"]
     meta, ref, view, ref_view = _mirror_and_reference(R, width)
     target = meta._memo.target(view)
     builds = Builds(monkeypatch, (target.plans,) + _view_caches(meta._backend))
@@ -193,10 +195,10 @@ def test_counted_calls_stop_building_after_warm_up(monkeypatch):
     assert counts_seen[0] > 0
     assert counts_seen[1] == 0, counts_seen
     # The begin's views are kept per (slot, C) only: none is added after the warm-up,
-    # and no more than the slots times the C values (8 and 16 here) exist.
+    # and no more than the slots times the C values (8 and 16, or W) exist.
     slots = meta._backend.begin.ring.num_slots
     assert begin_views[0] and begin_views[1] == begin_views[0], begin_views
-    assert {c for _, c in begin_views[0]} <= {8, 16}
+    assert {c for _, c in begin_views[0]} <= ({8, 16} if width >= 256 else {width})
     assert len(begin_views[0]) <= 2 * slots
 
 

@@ -5,7 +5,9 @@ table), which read and ship only the used columns of their table.
 ``C = column_bucket(max count, W)`` (a power-of-two multiple of 8, capped at ``W``):
 the rows cross to the device as one contiguous ``[rows, C]`` block, so the host cost
 follows the blocks in use, not ``W``; the columns ``[C, W)`` of the device rows get the
-dummy block ``D`` on the device. No state grows per shape: a begin keeps its views
+dummy block ``D`` on the device. On a table narrower than ``DERIVED_MIN_WIDTH``
+columns ``C`` is ``W`` (``shipped_columns``): whole rows cost a few bytes more and the
+device ops that complete packed rows less. No state grows per shape: a begin keeps its views
 per ``(slot, C)`` (``_packed_views``) and a commit its strided copy (``C`` takes at
 most ``ceil(log2(W / 8)) + 1`` values), each taking its first rows per call, and a
 commit ships a bucketed end (``CommitStage._packed_end``).
@@ -27,6 +29,8 @@ commit ships a bucketed end (``CommitStage._packed_end``).
   shadow; the one ``_foreach_copy_`` also writes whole rows ``[:m]`` from a device
   block of ``D`` and the pad rows from the block of -1, and one strided device copy then
   lays the packed rows over ``[:m, :C]``: 3 data ops, one more than without counts.
+  At ``C = W`` the rows are whole (``D`` past the counts, -1 pad rows written on the
+  host) and ship and land with the rest of the pass, as without counts: 2 data ops.
   A pass that does not fit the fixed commit stage ships whole rows (``D`` past the
   counts) through the per-shape shadow.
 
@@ -93,6 +97,19 @@ def derives(entries: int, width: int) -> bool:
     return entries >= DERIVED_MIN_ENTRIES and width >= DERIVED_MIN_WIDTH
 
 
+def shipped_columns(block_counts: np.ndarray, count: int, width: int,
+                    largest: Optional[int] = None) -> int:
+    """The columns ``C`` a counted call ships of its first ``count`` rows: ``W`` on a
+    table narrower than ``DERIVED_MIN_WIDTH`` (whole rows cost fewer device ops than
+    packed ones completed on the device, for a few bytes more), else the bucket of the
+    largest count (``largest`` when the caller knows it)."""
+    if width < DERIVED_MIN_WIDTH:
+        return width
+    if largest is None:
+        largest = int(_min_max(block_counts, count)[1])
+    return column_bucket(largest, width)
+
+
 def packed_refusal(status: int, host_offsets: np.ndarray, host_table: np.ndarray,
                    count: int, block_size: int, width: int) -> int:
     """A depth's refusal ``status`` (``decode_step_maps``'s, offsets already in
@@ -151,9 +168,7 @@ class CountedRoute:
         value past their counts (``D``; -1 for derived counts, which are the caller's
         table); ``largest``: the largest count when the caller knows it."""
         fill = self.dummy if fill is None else fill
-        if largest is None:
-            largest = int(_min_max(block_counts, count)[1])
-        columns = column_bucket(largest, self._width)
+        columns = shipped_columns(block_counts, count, self._width, largest)
         slot, packed = self._stage_packed(count, start_positions, table_src, block_counts,
                                           columns, fill, host_offsets)
         self._ship_packed(slot, count, columns, fill)
@@ -256,8 +271,7 @@ class CountedRoute:
             forward.flush(target, slot, layout, padded_tokens, result[0], result[2],
                           "query", result[1], 0, reused=True)
             return result
-        columns = column_bucket(int(_min_max(block_counts, counts.shape[0])[1]),
-                                target.width)
+        columns = shipped_columns(block_counts, counts.shape[0], target.width)
         return self._commit_packed(stage, target, counts, starts, table, inherited,
                                    block_counts, columns, self.dummy, padded_tokens,
                                    pad_tokens, min_padded_requests, padded_requests)
@@ -293,7 +307,9 @@ class CountedRoute:
                        ) -> Tuple[int, int, int, int]:
         """A commit pass on the fixed ``stage`` whose rows ship packed at ``columns``
         columns, ``fill`` past ``block_counts``; whole rows of ``fill`` (of ``D`` for the
-        pad request) and -1 (the pad rows) complete them on the device."""
+        pad request) and -1 (the pad rows) complete them on the device. At ``C = W``
+        the kernel writes whole rows, the pad rows' included, and the pass ships as a
+        pass without counts does (``CommitStage.flush``)."""
         ring = self._forward.ring
         slot = ring.acquire()
         token_args, request_args = stage.args(slot)
@@ -314,6 +330,10 @@ class CountedRoute:
             ring.release(slot)
             return result
         total, staged, padded_requests, _ = result
+        if columns == target.width:  # whole rows, the pad rows' -1 among them
+            stage.flush(slot, padded_tokens, total, padded_requests, staged, 0)
+            ring.release(slot)
+            return result
         num_prefill = counts.shape[0]
         minus_one = self._forward.minus_one
         wholes = []
