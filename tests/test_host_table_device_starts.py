@@ -14,6 +14,7 @@ import torch
 
 from mtpmeta import MTPForwardMode, MTPMetadata
 from mtpmeta.bench.meta_device import cpp_meta_kernels
+from mtpmeta.kernels import native
 
 R, W, BS, D = 8, 6, 4, 63
 
@@ -56,3 +57,24 @@ def test_a_host_table_beside_device_starts_must_be_a_tensor():
     with cpp_meta_kernels(), pytest.raises(ValueError, match="block_table_src"):
         meta.begin_decode(3, 4, starts, [[0] * W] * R, True)
     assert meta.forward_mode is MTPForwardMode.NONE
+
+
+def test_an_advance_after_device_starts_advances_the_device_offsets_only(monkeypatch):
+    """After device start positions the host holds no offsets, so an advance adds one
+    on the device and runs no host kernel; after host start positions it advances the
+    host's copy too (the control)."""
+    meta = _meta_object()
+    advanced = []
+    real = native.draft_state.advance_offsets
+    monkeypatch.setattr(native.draft_state, "advance_offsets",
+                        lambda offsets, count: advanced.append(count) or real(offsets, count))
+    table = torch.arange(R * W, dtype=torch.int32).view(R, W)
+    with cpp_meta_kernels():
+        meta.begin_decode(3, 4, torch.zeros(R, dtype=torch.int64, device="meta"), table,
+                          True)
+        meta.advance_decode_step()
+        assert advanced == []
+        meta.end_forward()
+        meta.begin_decode(3, 4, torch.zeros(R, dtype=torch.int64), table, True)
+        meta.advance_decode_step()
+    assert advanced == [3]

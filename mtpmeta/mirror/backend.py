@@ -232,7 +232,8 @@ class MirrorBackend:
     def advance_decode_step(self, count: int) -> None:
         self.refuse_capture("advance_decode_step")
         self._slices.prefix("offsets", self.buffers.offsets, count).add_(1)
-        native.draft_state.advance_offsets(self.host_offsets, count)
+        if self.host_offsets_known:  # after a device-route begin the host holds none
+            native.draft_state.advance_offsets(self.host_offsets, count)
         self.device_route.advance_decode_step()
 
     def stage_decode_lengths(self, count: int) -> None:
