@@ -66,8 +66,11 @@ def test_an_advance_after_device_starts_advances_the_device_offsets_only(monkeyp
     meta = _meta_object()
     advanced = []
     real = native.draft_state.advance_offsets
-    monkeypatch.setattr(native.draft_state, "advance_offsets",
-                        lambda offsets, count: advanced.append(count) or real(offsets, count))
+    def counted(offsets, count):
+        advanced.append(count)
+        return real(offsets, count)
+
+    monkeypatch.setattr(native.draft_state, "advance_offsets", counted)
     table = torch.arange(R * W, dtype=torch.int32).view(R, W)
     with cpp_meta_kernels():
         meta.begin_decode(3, 4, torch.zeros(R, dtype=torch.int64, device="meta"), table,

@@ -6,11 +6,11 @@ table), which read and ship only the used columns of their table.
 the rows cross to the device as one contiguous ``[rows, C]`` block, so the host cost
 follows the blocks in use, not ``W``; the columns ``[C, W)`` of the device rows get the
 dummy block ``D`` on the device. On a table narrower than ``DERIVED_MIN_WIDTH``
-columns ``C`` is ``W`` (``shipped_columns``): whole rows cost a few bytes more and the
-device ops that complete packed rows less. No state grows per shape: a begin keeps its views
-per ``(slot, C)`` (``_packed_views``) and a commit its strided copy (``C`` takes at
-most ``ceil(log2(W / 8)) + 1`` values), each taking its first rows per call, and a
-commit ships a bucketed end (``CommitStage._packed_end``).
+columns ``C`` is ``W`` (``shipped_columns``): whole rows cost a few bytes more and
+save the device ops that complete packed rows. No state grows per shape: a begin
+keeps its views per ``(slot, C)`` (``_packed_views``) and a commit its strided copy
+(``C`` takes at most ``ceil(log2(W / 8)) + 1`` values), each taking its first rows per
+call, and a commit ships a bucketed end (``CommitStage._packed_end``).
 
 * begin: the pinned begin slot's table region holds the packed ``[n, C]`` rows; one
   H2D copy lands them in the private ``reuse_table``'s storage (as a flat scratch),
