@@ -336,14 +336,13 @@ class CountedRoute:
             return result
         num_prefill = counts.shape[0]
         minus_one = self._forward.minus_one
-        wholes = []
-        if columns < target.width:
-            if fill == self.dummy:
-                wholes.append((self._dummy_block(), 0, staged))
-            else:
-                wholes.append((minus_one, 0, min(num_prefill, staged)))
-                if staged > num_prefill:
-                    wholes.append((self._dummy_block(), num_prefill, staged))
+        # C < W here: whole rows of the fill complete the packed ones past C.
+        if fill == self.dummy:
+            wholes = [(self._dummy_block(), 0, staged)]
+        else:
+            wholes = [(minus_one, 0, min(num_prefill, staged))]
+            if staged > num_prefill:
+                wholes.append((self._dummy_block(), num_prefill, staged))
         wholes.append((minus_one, staged, padded_requests))
         stage.flush_counted(slot, padded_tokens, total, padded_requests, staged, columns,
                             wholes)
