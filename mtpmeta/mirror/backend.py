@@ -138,6 +138,9 @@ class MirrorBackend:
         for count in range(max_requests + 1):
             self._slices.prefix("offsets", buffers.offsets, count)
         self._order = StreamOrder(self.device, runtime)  # of the persistent buffers
+        # An advance adds this one-entry tensor: a Python scalar would be wrapped into
+        # a new host tensor at every call.
+        self._one = torch.ones(1, dtype=buffers.offsets.dtype, device=self.device)
 
     @property
     def stream_order(self) -> StreamOrder:
@@ -231,7 +234,7 @@ class MirrorBackend:
 
     def advance_decode_step(self, count: int) -> None:
         self.refuse_capture("advance_decode_step")
-        self._slices.prefix("offsets", self.buffers.offsets, count).add_(1)
+        self._slices.prefix("offsets", self.buffers.offsets, count).add_(self._one)
         if self.host_offsets_known:  # after a device-route begin the host holds none
             native.draft_state.advance_offsets(self.host_offsets, count)
         self.device_route.advance_decode_step()
