@@ -32,8 +32,7 @@ Everything the mirror path asks of CUDA *besides* plain torch ops goes through o
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator, Optional, Protocol, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 import torch
 
@@ -199,13 +198,23 @@ def get_runtime() -> DeviceRuntime:
     return _RUNTIME
 
 
-@contextlib.contextmanager
-def use_runtime(runtime: DeviceRuntime) -> Iterator[DeviceRuntime]:
-    """Install ``runtime`` for the objects allocated inside the block (a test seam)."""
-    global _RUNTIME
-    previous = _RUNTIME
-    _RUNTIME = runtime
-    try:
-        yield runtime
-    finally:
-        _RUNTIME = previous
+class use_runtime:  # noqa: N801 (a context manager, named as one)
+    """Install ``runtime`` for the objects allocated inside the block (a test seam).
+
+    A class rather than a generator: the bench's engine placement enters it around
+    every timed step, where a generator's context manager costs about 2 µs."""
+
+    __slots__ = ("_runtime", "_previous")
+
+    def __init__(self, runtime: DeviceRuntime) -> None:
+        self._runtime = runtime
+        self._previous: Optional[DeviceRuntime] = None
+
+    def __enter__(self) -> DeviceRuntime:
+        global _RUNTIME
+        self._previous, _RUNTIME = _RUNTIME, self._runtime
+        return self._runtime
+
+    def __exit__(self, *exc: Any) -> None:
+        global _RUNTIME
+        _RUNTIME = self._previous
