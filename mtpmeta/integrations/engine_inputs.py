@@ -41,7 +41,7 @@ route ships its staging in a few copies.
 from __future__ import annotations
 
 import weakref
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -87,6 +87,17 @@ class ReadBack:
         self.host = runtime.host_empty((2 * rows,), torch.int64)
         self.longest = like.new_empty((), dtype=torch.int32)
         self.longest_host = runtime.host_empty((), torch.int32)
+        self._host_values = self.host.numpy()
+        self._prefixes: Dict[int, Tuple[torch.Tensor, torch.Tensor, np.ndarray]] = {}
+
+    def prefix(self, size: int) -> Tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+        """``(device[:size], host[:size], host[:size] as numpy)``, built once per
+        size (at most ``2R``): a packed read slices nothing."""
+        views = self._prefixes.get(size)
+        if views is None:
+            views = self._prefixes[size] = (self.device[:size], self.host[:size],
+                                            self._host_values[:size])
+        return views
 
 
 #: ``ReadBack`` per metadata (weakly: it goes with the metadata), remade when the
@@ -151,7 +162,8 @@ def commit_inputs(context: Any, append_counts: Any, block_table: Any,
     if counts_dev:
         parts.append(append_counts)
     if starts_dev and start_positions.dim() == 1 and start_positions.shape[0] >= requests:
-        parts.append(start_positions[:requests])
+        parts.append(start_positions if start_positions.shape[0] == requests
+                     else start_positions[:requests])
     else:
         starts_dev = False
     table_rows = None
@@ -171,9 +183,9 @@ def commit_inputs(context: Any, append_counts: Any, block_table: Any,
         return append_counts, table_rows if table_rows is not None else block_table, \
             start_positions
     size = sum(part.numel() for part in parts)
+    values = None
     if size <= 2 * max_requests:  # upstream's placement: into the fixed buffers
-        buffers = _read_back(meta, parts[0], runtime)
-        packed, out = buffers.device[:size], buffers.host[:size]
+        packed, out, values = _read_back(meta, parts[0], runtime).prefix(size)
         torch.cat(parts, out=packed)  # int64, whatever the parts' integer dtypes
     else:  # the rows of a device context table besides: made for this read
         packed, out = torch.cat([part.to(torch.int64) for part in parts]), None
@@ -183,7 +195,9 @@ def commit_inputs(context: Any, append_counts: Any, block_table: Any,
         raise ValueError(f"append_counts, request_start_positions, block_table_prefill: "
                          f"a {packed.device.type} tensor has no values to read back "
                          f"({err})") from err
-    values, at = host.numpy(), 0  # numpy views: what the commit pass reads as they are
+    if host is not out:  # numpy views: what the commit pass reads as they are
+        values = host.numpy()
+    at = 0
     if counts_dev:
         append_counts, at = values[:requests], requests
     if starts_dev:
