@@ -247,7 +247,7 @@ class DraftPlan:
         if n:
             (table_rows, padded_rows, wide, wide_pair, planned, index, blocks,
              gathered) = self._rows_views(dtype, n)
-            rows_src = table_src[:n]
+            rows_src = table_src if table_src.shape[0] == n else table_src[:n]
             table_rows.copy_(rows_src, non_blocking=True)
             padded_rows.copy_(table_rows if host_table else rows_src, non_blocking=True)
             # offsets + d (d <= K; summed in int32, as the offsets wrap) and the query
@@ -356,8 +356,8 @@ class DraftPlan:
         put("token_to_pos_ids", 0, n, src["pos64"], self._wide[d])
         window = self._window(self.requests - n)
         put("mha_query_lengths", 0, p, window, window.tensor)
-        put("mha_kv_seq_lengths", 0, n, src["kv"], self._positions[d + 1])
-        put("mha_kv_seq_lengths", n, p, c["zeros"], self._zeros)
+        # The KV lengths' row is the scan input, zero past n: it gives the pad rows too.
+        put("mha_kv_seq_lengths", 0, p, src["kv"], self._positions[d + 1])
         put("mha_cu_query_seq_lengths", 0, p + 1, c["sums_q"], self._sums[K])
         put("mha_cu_kv_seq_lengths", 0, p + 1, src["sums_kv"], self._sums[d])
         self._table_rows(side, n, p, dsts, srcs, singles)
