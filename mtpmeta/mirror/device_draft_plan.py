@@ -17,7 +17,7 @@ narrows them to the int32 position rows (``offsets[:n]`` among them) and gives t
 local offsets, a bucketize giving every planned block column, a gather, and one
 row-wise cumsum giving every depth's KV sums and the cumulative query lengths, pad
 entries flat, and ``draft_count``), one more when ``n`` is below the last planned
-loop's (that loop's scan input past ``n`` is zeroed first); each planned depth 1; a
+loop's (that loop's planned rows past ``n`` are zeroed first); each planned depth 1; a
 depth past the plan takes ``DeviceRoute``'s per-depth ops. Both table copies stay:
 the host table crosses into the contiguous ``block_table`` rows (a strided
 destination would stage it through a temporary), and a gather from contiguous rows
@@ -124,8 +124,8 @@ class DraftPlan:
     Scratch (device, fixed addresses, allocated here): the padded table ``[R, W + 2]``
     (int64 storage, read as int32 when the view's block ids are int32), block ids
     ``[K, R]`` (same), int64 positions ``[K + 2, R]`` and block columns ``[K, R]``, and
-    constants (steps, scales, moduli, bucket bounds, ``arange``, ones-then-zeros, ``D``,
-    zeros); the int32 position rows, local offsets and sums are in
+    constants (steps, scales, moduli, bucket bounds, ``arange``, ones-then-zeros, ``D``);
+    the int32 position rows, local offsets and sums are in
     ``buffers.draft_plan``.
     """
 
@@ -148,9 +148,13 @@ class DraftPlan:
         self._local = self._rows[1, :K, 1:]  # [K, R]: (offsets + d) % BS
         self._planned_rows = self._rows[:, :, 1:]  # [2, K + 2, R]
         # [K + 1, R + 1], the sums' scan input: depth d's KV lengths offsets + d + 1
-        # (rows 0..K-1), then n ones (row K), each after a 0 (column 0, never written)
-        # and zero past n (``_dirty``: the columns an older loop may have left nonzero).
+        # (rows 0..K-1), then n ones (row K), each after a 0 (column 0, never written).
         self._scan_rows = self._rows[0, 1:]
+        # Every planned row but the offsets' (the scan input and the local offsets,
+        # adjacent in memory) is zero past n, so a depth places its KV lengths and local
+        # offsets over the pad rows from them; ``_dirty``: the columns an older loop
+        # may have left nonzero.
+        self._zeroable = self._rows.view(2 * (K + 2), row)[1:]
         self._dirty = 0
         # Factory ops only (the CUDA simulator of the tests tracks those as device).
         # Row d of the wide positions is steps[d] + start * scales[d]: d for d <= K,
@@ -170,7 +174,6 @@ class DraftPlan:
         self._arange = torch.arange(row + 1, dtype=i32, device=device)
         self._ones_zeros = torch.zeros(2 * requests, dtype=i32, device=device)
         self._ones_zeros[:requests].fill_(1)
-        self._zeros = torch.zeros(requests, dtype=i32, device=device)
         # D in each block dtype it fits (int32 only when it does; a view whose block ids
         # cannot hold D is refused before any depth).
         self._dummies = {dtype: torch.full((requests,), dummy, dtype=dtype, device=device)
@@ -208,7 +211,7 @@ class DraftPlan:
                 "pos64": cut(self._wide[d], True),
                 "kv": cut(self._positions[d + 1], True),
                 "sums_kv": cut(self._sums[d], True)})
-        self._consts = {"ones_zeros": cut(self._ones_zeros), "zeros": cut(self._zeros),
+        self._consts = {"ones_zeros": cut(self._ones_zeros),
                         "arange": cut(self._arange), "sums_q": cut(self._sums[K]),
                         "minus_one": cut(self._minus_one),
                         "table": cut(buffers.block_table),
@@ -241,7 +244,7 @@ class DraftPlan:
         if self._dummy_columns is not dtype:  # a new block dtype: its D columns
             table[:, ::w + 1].fill_(self.dummy)
             self._dummy_columns = dtype
-        if self._dirty > n:  # an older loop's scan input past n: zero it
+        if self._dirty > n:  # an older loop's planned rows past n: zero them
             self._stale_rows(n).zero_()
         self._dirty = n
         if n:
@@ -282,10 +285,10 @@ class DraftPlan:
         return views
 
     def _stale_rows(self, start: int) -> Tensor:
-        """Columns ``start:`` of the scan input's rows (built once per ``start``)."""
+        """Columns ``start:`` of the zeroable rows (built once per ``start``)."""
         view = self._stale_cache.get(start)
         if view is None:
-            view = self._stale_cache[start] = self._scan_rows[:, 1 + start:]
+            view = self._stale_cache[start] = self._zeroable[:, 1 + start:]
         return view
 
     def covers(self, count: int, padded: int) -> bool:
@@ -349,14 +352,14 @@ class DraftPlan:
             self._blocks[planned][d])
         dummy = block if block in self._dummies else torch.int64
         put("token_to_block_idx", n, p, self._dummy_cuts[dummy], self._dummies[dummy])
-        put("token_to_local_position_within_kv_block", 0, n, src["local"], self._local[d])
-        put("token_to_local_position_within_kv_block", n, p, c["zeros"], self._zeros)
+        # The planned rows are zero past n: the local offsets' row gives the pad rows.
+        put("token_to_local_position_within_kv_block", 0, p, src["local"], self._local[d])
         put("token_to_request_idx", 0, n, c["arange"], self._arange)
         put("token_to_position_in_request", 0, n, src["pos32"], self._positions[d])
         put("token_to_pos_ids", 0, n, src["pos64"], self._wide[d])
         window = self._window(self.requests - n)
         put("mha_query_lengths", 0, p, window, window.tensor)
-        # The KV lengths' row is the scan input, zero past n: it gives the pad rows too.
+        # So does the KV lengths' row.
         put("mha_kv_seq_lengths", 0, p, src["kv"], self._positions[d + 1])
         put("mha_cu_query_seq_lengths", 0, p + 1, c["sums_q"], self._sums[K])
         put("mha_cu_kv_seq_lengths", 0, p + 1, src["sums_kv"], self._sums[d])
