@@ -50,9 +50,21 @@ from mtpmeta.buffers.device_runtime import get_runtime
 from mtpmeta.kernels import native
 from mtpmeta.validation.inputs import is_device_tensor
 
-__all__ = ["commit_inputs", "check_total", "longest_length", "ReadBack"]
+__all__ = ["commit_inputs", "check_total", "longest_length", "ReadBack", "host_view"]
 
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+_VIEWED_DTYPES = (torch.int32, torch.int64)  # the kernels' dtypes, read as they are
+
+
+def host_view(value: Any, runtime: Any) -> Any:
+    """A host int32/int64 tensor (``runtime.is_host``) as its numpy view, anything else
+    as it is. The commit pass reads its host inputs as numpy arrays, and a context
+    array's active rows cost a tenth as much cut from the array (about 0.25 µs) as from
+    the tensor (about 2.5 µs, then 1.5 µs for its view)."""
+    if type(value) is torch.Tensor and value.dtype in _VIEWED_DTYPES \
+            and runtime.is_host(value):
+        return value.numpy()
+    return value
 
 
 def check_total(total: Any, counts: Any) -> None:
@@ -132,7 +144,7 @@ def _host_rows(context: Any, table: Any, rows: int, paused: int,
             and host.dtype in _INT_DTYPES and table.shape[0] >= rows
             and int(context.total_request_count) - paused >= rows):
         return None
-    return host[paused:paused + rows]
+    return host_view(host, runtime)[paused:paused + rows]
 
 
 def commit_inputs(context: Any, append_counts: Any, block_table: Any,

@@ -56,7 +56,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mtpmeta.buffers.device_runtime import get_runtime
 from mtpmeta.errors import MTPDisabledError
-from mtpmeta.integrations.engine_inputs import check_total, commit_inputs, \
+from mtpmeta.integrations.engine_inputs import check_total, commit_inputs, host_view, \
     longest_length
 from mtpmeta.metadata import MTPMetadata
 from mtpmeta.types import MTPForwardMode
@@ -128,7 +128,8 @@ def _commit_block_counts(context: Any, host_table: bool) -> Any:
     if not host_table:
         return None
     counts = getattr(context, "request_kv_block_counts", None)
-    return None if is_device_tensor(counts, get_runtime()) else counts  # host ones only
+    runtime = get_runtime()
+    return None if is_device_tensor(counts, runtime) else host_view(counts, runtime)
 
 
 def _prefix_blocks(context: Any, meta: MTPMetadata) -> Any:
@@ -138,7 +139,8 @@ def _prefix_blocks(context: Any, meta: MTPMetadata) -> Any:
     ``mtp_metadata``, and its mixin reads them from there). Either way whole: the
     declared split takes the active rows."""
     blocks = getattr(context, "request_matched_prefix_blocks", None)
-    return meta.request_matched_prefix_blocks if blocks is None else blocks
+    return host_view(meta.request_matched_prefix_blocks if blocks is None else blocks,
+                     get_runtime())
 
 
 def _library_metadata(context: Any, helper: str, *, enabled: bool = False) -> MTPMetadata:
