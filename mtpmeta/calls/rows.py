@@ -117,9 +117,15 @@ class RowLifecycle:
         ``begin_decode`` refuses a host start inside a row's inherited blocks or inside
         the span the commit pass just before wrote for it. Bad counts raise before
         anything changes."""
-        split = RequestRows(max_requests, paused_count, total_count)
         state = self._state
-        state.split, state.split_ended = split, False
+        split = state.split
+        if split is not None and type(paused_count) is int and type(total_count) is int \
+                and split.paused == paused_count and split.total == total_count \
+                and split.max_requests == max_requests:
+            split.committed = False  # the live split again (the begin after the pass)
+        else:
+            split = state.split = RequestRows(max_requests, paused_count, total_count)
+        state.split_ended = False
         state.annotation_offset = split.paused
 
     def swap(self, src_idxs: Any, dst_idxs: Any) -> None:
