@@ -138,8 +138,15 @@ class StreamOrder:
 
 
 #: Whether each device seen is a CUDA device: ``torch.device.type`` builds a string at
-#: every read (about 0.4 µs), and every staging call asks ``is_capturing``.
+#: every read (about 0.4 µs), and the staging calls ask at every call.
 _IS_CUDA: Dict[torch.device, bool] = {}
+
+
+def _is_cuda(device: torch.device) -> bool:
+    cuda = _IS_CUDA.get(device)
+    if cuda is None:
+        cuda = _IS_CUDA[device] = device.type == "cuda"
+    return cuda
 
 
 class TorchRuntime:
@@ -161,14 +168,14 @@ class TorchRuntime:
         return out.copy_(tensor)  # blocking: the host reads ``out`` right after
 
     def record_stream(self, tensor: torch.Tensor, device: torch.device) -> None:
-        if tensor.is_cuda and device.type == "cuda":
+        if tensor.is_cuda and _is_cuda(device):
             tensor.record_stream(torch.cuda.current_stream(device))
 
     def event(self, device: torch.device) -> Optional[DeviceEvent]:
-        return torch.cuda.Event() if device.type == "cuda" else None
+        return torch.cuda.Event() if _is_cuda(device) else None
 
     def current_stream(self, device: torch.device) -> Any:
-        return torch.cuda.current_stream(device) if device.type == "cuda" else None
+        return torch.cuda.current_stream(device) if _is_cuda(device) else None
 
     def is_capturing(self, device: torch.device) -> bool:
         """Whether this thread's current stream of ``device`` is capturing.
@@ -180,10 +187,7 @@ class TorchRuntime:
         ``capture_error_mode="thread_local"`` (or "relaxed"). The simulator's runtime
         sees every stream, and tests pin the refusal there.
         """
-        cuda = _IS_CUDA.get(device)
-        if cuda is None:
-            cuda = _IS_CUDA[device] = device.type == "cuda"
-        if not cuda:
+        if not _is_cuda(device):
             return False
         if device.index is None or device.index == torch.cuda.current_device():
             return torch.cuda.is_current_stream_capturing()
