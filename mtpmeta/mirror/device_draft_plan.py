@@ -150,10 +150,8 @@ class DraftPlan:
         # [K + 1, R + 1], the sums' scan input: depth d's KV lengths offsets + d + 1
         # (rows 0..K-1), then n ones (row K), each after a 0 (column 0, never written).
         self._scan_rows = self._rows[0, 1:]
-        # Every planned row but the offsets' (the scan input and the local offsets,
-        # adjacent in memory) is zero past n, so a depth places its KV lengths and local
-        # offsets over the pad rows from them; ``_dirty``: the columns an older loop
-        # may have left nonzero.
+        # Every planned row but the offsets' is zero past n (a depth places its pad rows'
+        # KV lengths and local offsets from them); ``_dirty``: columns left nonzero.
         self._zeroable = self._rows.view(2 * (K + 2), row)[1:]
         self._dirty = 0
         # Factory ops only (the CUDA simulator of the tests tracks those as device).
