@@ -15,8 +15,8 @@ What the kernels check, and what they trust:
   ``checks.check_token_inputs`` and
   ``checks.check_commit_inputs`` (a ``staging`` code such as ``NEGATIVE_POSITION``
   beside the culprit's index), and for the opt-in block counts
-  ``checks.first_past_count`` / ``first_counted_outside``. ``checks.min_max`` only
-  reduces. The wrappers in
+  ``checks.first_bad_commit_count`` (a code beside the culprit) /
+  ``first_counted_outside``. ``checks.min_max`` only reduces. The wrappers in
   ``mtpmeta`` turn a result into the ValueError/IndexError; the row scans are run by
   the row kernels themselves.
 * **Refusing writers** check their indices before the first write and, on a bad one,

@@ -231,6 +231,29 @@ def first_past_count(counts, starts, has_starts, block_counts, block_size):
 
 
 @njit(cache=True)
+def first_bad_commit_count(counts, starts, has_starts, block_counts, width, block_size):
+    """The opt-in block counts of a commit pass in one scan: ``(1, i)`` for the first
+    count ``block_counts[i]`` (``i < P``) outside ``[0, width]``; else ``(2, r)`` for
+    the first request ``r`` with a token whose block column is ``>= block_counts[r]``
+    (its span's last position, the spans being consecutive); else ``(0, -1)``. Spans
+    must already be in the table (``check_commit_inputs``). block_counts: int [>= P].
+
+    >>> counts, starts = np.array([2, 3]), np.array([7, 6])  # block size 8
+    >>> first_bad_commit_count(counts, starts, True, np.array([1, 2]), 4, 8)  # 7..8
+    (2, 0)
+    >>> first_bad_commit_count(counts, starts, True, np.array([2, 5]), 4, 8)
+    (1, 1)
+    >>> first_bad_commit_count(counts, starts, True, np.array([2, 2]), 4, 8)
+    (0, -1)
+    """
+    for i in range(counts.shape[0]):
+        if block_counts[i] < 0 or block_counts[i] > width:
+            return 1, i
+    r = first_past_count(counts, starts, has_starts, block_counts, block_size)
+    return (2, r) if r >= 0 else (0, -1)
+
+
+@njit(cache=True)
 def first_counted_outside(table, rows, block_counts, low, high):
     """The first ``(row, column)`` with ``column < block_counts[row]``, ``row < rows``,
     whose entry is outside the closed ``[low, high]``, else ``(-1, -1)``: the block-id

@@ -23,7 +23,7 @@ __all__ = ["as_block_counts", "refuse_device_table", "raise_past_count",
            "check_commit_counts", "raise_commit_past_count"]
 
 _first_outside_closed = native.checks.first_outside_closed
-_first_past_count = native.checks.first_past_count
+_first_bad_commit_count = native.checks.first_bad_commit_count
 
 
 
@@ -31,6 +31,15 @@ def as_block_counts(geo: Any, value: Any, rows: int, width: int) -> np.ndarray:
     """``value`` as a C-contiguous int32/int64 array ``[>= rows]`` whose first ``rows``
     entries lie in ``[0, width]``; a ``TypeError`` for a device tensor or a non-integer
     dtype, a ``ValueError`` naming ``block_counts`` and the bound otherwise."""
+    counts = _host_counts(geo, value, rows)
+    bad = _first_outside_closed(counts[:rows], 0, width)
+    if bad >= 0:
+        _raise_outside(counts, bad, width)
+    return counts
+
+
+def _host_counts(geo: Any, value: Any, rows: int) -> np.ndarray:
+    """``value`` as host ints ``[>= rows]`` (``as_block_counts`` before the range)."""
     if is_device_tensor(value, geo.runtime if geo.mirror else None):
         raise TypeError("block_counts: a device tensor; the counts decide what the host "
                         "reads and ships, so pass them as host ints (a CPU tensor, a "
@@ -40,11 +49,12 @@ def as_block_counts(geo: Any, value: Any, rows: int, width: int) -> np.ndarray:
     if counts.shape[0] < rows:
         raise ValueError(f"block_counts: {counts.shape[0]} entries < {rows} rows of the "
                          "block table in use (one count per row)")
-    bad = _first_outside_closed(counts[:rows], 0, width)
-    if bad >= 0:
-        raise ValueError(f"block_counts: entry {bad} is {int(counts[bad])}, outside "
-                         f"[0, {width}] (the block table's width)")
     return counts
+
+
+def _raise_outside(counts: np.ndarray, bad: int, width: int) -> None:
+    raise ValueError(f"block_counts: entry {bad} is {int(counts[bad])}, outside "
+                     f"[0, {width}] (the block table's width)")
 
 
 def refuse_device_table(name: str) -> None:
@@ -70,12 +80,19 @@ def raise_past_count(geo: Any, target: ViewTarget, offsets: np.ndarray,
 
 
 def check_commit_counts(geo: Any, counts: np.ndarray, starts: Optional[np.ndarray],
-                        block_counts: np.ndarray) -> None:
-    """Refuse a commit pass whose token lies at or past its request's block count."""
-    r = _first_past_count(counts, starts if starts is not None else counts,
-                          starts is not None, block_counts, geo.block_size_tokens)
-    if r >= 0:
+                        value: Any, width: int) -> np.ndarray:
+    """A commit pass's ``block_counts`` (``value``) as ``as_block_counts`` returns them
+    (its refusals, in its order), refusing too a pass whose token lies at or past its
+    request's count: both scans in one kernel."""
+    block_counts = _host_counts(geo, value, counts.shape[0])
+    code, r = _first_bad_commit_count(counts, starts if starts is not None else counts,
+                                      starts is not None, block_counts, width,
+                                      geo.block_size_tokens)
+    if code == 1:
+        _raise_outside(block_counts, r, width)
+    if code:
         raise_commit_past_count(geo, counts, starts, block_counts, r)
+    return block_counts
 
 
 def raise_commit_past_count(geo: Any, counts: np.ndarray, starts: Optional[np.ndarray],

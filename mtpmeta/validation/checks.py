@@ -257,8 +257,7 @@ def check_commit_inputs(geo: Geometry, target: ViewTarget, append_counts: Any,
         _raise_commit_status(geo, code, culprit, counts, starts, columns)
     used = None
     if block_counts is not None:
-        used = as_block_counts(geo, block_counts, num_prefill, table.shape[1])
-        check_commit_counts(geo, counts, starts, used)
+        used = check_commit_counts(geo, counts, starts, block_counts, table.shape[1])
     low, high = target.table_block_range  # the same, inlined: every commit
     if not (table.dtype is _INT32 and low <= _INT32_MIN and high >= _INT32_MAX):
         check_rows_fit(table, num_prefill, target.table_block_range, "block_table",
