@@ -134,6 +134,11 @@ def longest_length(meta: Any, lengths: torch.Tensor) -> int:
     return int(runtime.to_host(buffers.longest, out=buffers.longest_host))
 
 
+def _on_device(value: Any, runtime: Any) -> bool:
+    """An integer tensor of the device (read back in the packed read)."""
+    return is_device_tensor(value, runtime) and value.dtype in _INT_DTYPES
+
+
 def _host_rows(context: Any, table: Any, rows: int, paused: int,
                runtime: Any) -> Optional[torch.Tensor]:
     """Rows ``paused .. paused + rows`` of the context's host table, when the device
@@ -160,22 +165,25 @@ def commit_inputs(context: Any, append_counts: Any, block_table: Any,
     device for the commit pass to refuse.
     """
     runtime = get_runtime()
-    on_device = [is_device_tensor(x, runtime) and x.dtype in _INT_DTYPES
-                 for x in (append_counts, block_table, start_positions)]
-    if not any(on_device):
+    counts_dev = _on_device(append_counts, runtime)
+    table_dev = _on_device(block_table, runtime)
+    starts_dev = _on_device(start_positions, runtime)
+    if not (counts_dev or table_dev or starts_dev):
         return append_counts, block_table, start_positions
-    counts_dev, table_dev, starts_dev = on_device
     paused = int(context.paused_request_count)
     if counts_dev and append_counts.dim() != 1:
         return append_counts, block_table, start_positions  # refused by the pass
     requests = append_counts.shape[0] if counts_dev else len(append_counts)
     parts: List[torch.Tensor] = []
     max_requests = meta.max_requests
+    size = 0  # the packed read's entries
     if counts_dev:
         parts.append(append_counts)
+        size = requests
     if starts_dev and start_positions.dim() == 1 and start_positions.shape[0] >= requests:
         parts.append(start_positions if start_positions.shape[0] == requests
                      else start_positions[:requests])
+        size += requests
     else:
         starts_dev = False
     table_rows = None
@@ -187,6 +195,7 @@ def commit_inputs(context: Any, append_counts: Any, block_table: Any,
             if block_table.shape[0] - first >= requests:
                 parts.append(block_table[first:first + requests]
                              .reshape(-1).to(torch.int64))
+                size += parts[-1].numel()
             else:
                 table_dev = False
         elif table_rows is None:
@@ -194,7 +203,6 @@ def commit_inputs(context: Any, append_counts: Any, block_table: Any,
     if not parts:
         return append_counts, table_rows if table_rows is not None else block_table, \
             start_positions
-    size = sum(part.numel() for part in parts)
     values = None
     if size <= 2 * max_requests:  # upstream's placement: into the fixed buffers
         packed, out, values = _read_back(meta, parts[0], runtime).prefix(size)

@@ -47,6 +47,8 @@ __all__ = ["check_view_device", "check_decode_counts", "check_begin_decode",
            "raise_position_error", "check_prefill_lengths", "check_commit_inputs",
            "raise_commit_block", "refuse_unallocated_inherited"]
 
+_ndarray = np.ndarray
+_HOST_OR_NONE = (np.ndarray, type(None))  # no read-back to consider: the host route
 _first_bad_draft_block = native.checks.first_bad_draft_block
 _INHERITED_OUT_OF_RANGE = native.checks.INHERITED_OUT_OF_RANGE
 _first_unallocated_inherited = native.checks.first_unallocated_inherited
@@ -221,7 +223,10 @@ def check_commit_inputs(geo: Geometry, target: ViewTarget, append_counts: Any,
     if block_counts is not None and geo.mirror and is_device_tensor(block_table,
                                                                     geo.runtime):
         refuse_device_table("block_table")
-    if geo.mirror:  # (a meta tensor is left to as_host_ints, which names it)
+    if geo.mirror and not (type(append_counts) is _ndarray and type(block_table) is _ndarray
+                           and type(start_positions) in _HOST_OR_NONE
+                           and type(inherited_blocks) in _HOST_OR_NONE):
+        # (a meta tensor is left to as_host_ints, which names it)
         append_counts, block_table, start_positions, inherited_blocks = (
             geo.runtime.to_host(x) if is_device_tensor(x, geo.runtime)
             and x.device.type != "meta" else x
