@@ -286,7 +286,7 @@ def as_carry_source(hidden: Any, size: int, hidden_dtype: torch.dtype,
     holds no data: refused unless the carry is on ``meta`` too."""
     if type(hidden) is _Tensor and hidden.dtype is hidden_dtype and \
             (hidden.shape == (size,) or hidden.shape == (1, 1, size)) and \
-            not hidden.requires_grad and (not hidden.is_meta or device.type == "meta"):
+            not hidden.requires_grad and (not hidden.is_meta or hidden.device == device):
         return hidden  # the hot path: a row of hidden states, or the carry's shape
     if not isinstance(hidden, torch.Tensor):
         try:
