@@ -246,9 +246,9 @@ def first_bad_commit_count(counts, starts, has_starts, block_counts, width, bloc
     >>> first_bad_commit_count(counts, starts, True, np.array([2, 2]), 4, 8)
     (0, -1)
     """
-    for i in range(counts.shape[0]):
-        if block_counts[i] < 0 or block_counts[i] > width:
-            return 1, i
+    bad = first_outside_closed(block_counts[:counts.shape[0]], 0, width)
+    if bad >= 0:
+        return 1, bad
     r = first_past_count(counts, starts, has_starts, block_counts, block_size)
     return (2, r) if r >= 0 else (0, -1)
 
