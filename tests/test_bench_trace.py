@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import mtpmeta.bench.trace_bench as trace_bench
 import mtpmeta.bench.trace_replay as trace_replay
+import mtpmeta.bench.trace_report as trace_report
 from mtpmeta.bench import cli as bench_cli
 from mtpmeta.bench.counters import CountingRuntime, OpCounter
 from mtpmeta.bench.meta_device import cpp_meta_kernels, python_meta_active
@@ -367,6 +368,52 @@ def test_verdict_names_the_patched_helpers_once_with_their_ratio_to_the_mirror_p
     assert line.count("megatron, patched helpers") == 1, line
     assert ("standard mirror 4.00x, captured 2.00x, megatron, patched helpers 5.00x "
             "(1.25x faster than the mirror path)") in line
+
+
+def test_each_pass_is_a_ratio_against_the_references_pass_of_the_same_round(
+        monkeypatch):
+    """``pass_speedups``: pass ``p`` of the reference over pass ``p`` of the row (each
+    pass's median step), beside the median ratio; ``pass_spread`` names the lowest and
+    highest, and the verdict and targets print them for the headline row."""
+    make = trace_bench._replay
+
+    def labelled(row, *args, **kwargs):
+        replay = make(row, *args, **kwargs)
+        replay.timed_label = row.label
+        return replay
+
+    us = {"reference": [300.0, 100.0, 200.0], "mirror": [100.0, 50.0, 50.0]}
+    passes = {label: 0 for label in us}
+
+    def timed(replay, trace):
+        label = replay.timed_label
+        passes[label] += 1
+        return [us[label][passes[label] - 1]] * len(trace)
+
+    monkeypatch.setattr(trace_bench, "_replay", labelled)
+    monkeypatch.setattr(trace_bench, "_timed_pass", timed)
+    rows = tuple(row for row in trace_bench.ROWS
+                 if row.key in ("reference @meta", "mirror @meta"))
+    result = trace_bench.measure_trace(TINY, 3, repeats=3, rows=rows)
+    mirror = result["rows"]["mirror @meta"]
+    assert mirror["pass_us"] == [100.0, 50.0, 50.0]
+    assert mirror["pass_speedups"] == [3.0, 2.0, 4.0]
+    assert mirror["speedup_vs_reference"] == 4.0  # median 200 over median 50
+    assert result["rows"]["reference @meta"]["pass_speedups"] == [1.0, 1.0, 1.0]
+    assert trace_report.pass_spread(mirror) == "passes 2.00x-4.00x"
+    assert trace_report.pass_spread({"pass_speedups": [3.0]}) == ""
+    engine = {**mirror, "label": "megatron, engine placement", "syncs": 1.0,
+              "device_data_ops": 10.0}
+    upstream = {**result["rows"]["reference @meta"], "label": "upstream", "syncs": 1.0,
+                "device_data_ops": 100.0}
+    out = {"standard": {"rows": {trace_report.ENGINE_KEY: engine,
+                                 trace_report.ENGINE_REFERENCE_KEY: upstream}}}
+    assert ("standard megatron, engine placement 4.00x (passes 2.00x-4.00x; 1.00 "
+            "syncs per step against upstream's 1.00)") in trace_report.verdict_line(
+                out, {"standard": 3})
+    assert trace_report.trace_target_lines(out)[0] == (
+        "standard: megatron, engine placement 4.00x its reference, passes 2.00x-4.00x "
+        "(target >= 3.5x): met")
 
 
 def test_cli_trace_exits_1_when_a_path_differs(monkeypatch, capsys):

@@ -8,11 +8,13 @@ if not). Then each row is timed in interleaved passes of one run, on torch's ``m
 device with the C++ meta kernels (``mtpmeta.bench.meta_device``: the host's share of a
 GPU step) or on the CPU (the direct path, a CPU deployment). Per row: the median and
 p90 over steps of each step's median over passes, the ratio against the reference on
-the same device (and inputs), device data ops, syncs and CUDA event/stream calls per
-step (``counters.CountingRuntime``), and the launch-cost estimate "meta µs + 4 µs per
-device data op". The read-backs on meta are answered from the host with the values a
-CPU replay of the trace read (``trace_replay.known_syncs``): the reference's
-(``HostKnownReference``) and the patched helpers' of the client's device inputs
+the same device (and inputs) and its lowest and highest pass by pass (each pass's
+median step; the verdict and targets print them), device data ops, syncs and CUDA
+event/stream calls per step (``counters.CountingRuntime``), and the launch-cost
+estimate "meta µs + 4 µs per device data op". The read-backs on meta are answered
+from the host with the values a CPU replay of the trace read
+(``trace_replay.known_syncs``): the reference's (``HostKnownReference``) and the
+patched helpers' of the client's device inputs
 (``engine_placement.PlacementRuntime``); ``syncs`` counts them.
 
 What each row tells a scheduler author: ``megatron, engine placement`` (the headline)
@@ -258,6 +260,8 @@ def measure_trace(config: TraceConfig, steps: int, *, repeats: int = 5, seed: in
             out = {"label": row.label, "path": row.path, "device": row.device,
                    "device_inputs": row.device_inputs, "baseline": row.baseline_key,
                    "median_us": statistics.median(per_step),
+                   # each pass's median step: the spread of the ratio from pass to pass
+                   "pass_us": [statistics.median(s) for s in samples[row.key]],
                    "p90_us": float(np.percentile(per_step, 90)), **counts[row.key],
                    "block_counts": row.block_counts,
                    "runtime_calls": _runtime_calls(row, config, inputs[row.key], known)}
@@ -268,6 +272,8 @@ def measure_trace(config: TraceConfig, steps: int, *, repeats: int = 5, seed: in
     for row in result["rows"].values():
         base = result["rows"][row["baseline"]]
         row["speedup_vs_reference"] = base["median_us"] / row["median_us"]
+        # the passes of the row and its reference in the same round, a ratio each
+        row["pass_speedups"] = [b / r for b, r in zip(base["pass_us"], row["pass_us"])]
         if "launch_estimate_us" in row:
             row["launch_speedup_vs_reference"] = (base["launch_estimate_us"]
                                                   / row["launch_estimate_us"])

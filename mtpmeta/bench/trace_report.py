@@ -15,7 +15,7 @@ from mtpmeta.bench.report import speed, versus
 
 __all__ = ["ENGINE_KEY", "ENGINE_REFERENCE_KEY", "ENGINE_BYTE_EXACT_KEY", "MEGATRON_KEY",
            "checked_line", "width_growth", "growth_text", "format_trace", "engine_line",
-           "verdict_line", "TRACE_TARGETS_NOTE", "trace_target_lines"]
+           "verdict_line", "pass_spread", "TRACE_TARGETS_NOTE", "trace_target_lines"]
 
 #: The row of the engine's steps through the helpers ``megatron.patch()`` installs.
 MEGATRON_KEY = "megatron, patched helpers @meta"
@@ -122,6 +122,17 @@ def engine_line(rows: Dict[str, Any]) -> str:
     return "  Megatron's client placement, per step: " + "; ".join(parts)
 
 
+def pass_spread(row: Dict[str, Any]) -> str:
+    """``"passes 2.90x-3.50x"``: the lowest and highest of the row's ratios pass by
+    pass (each pass's median step, the reference's pass of the same round over the
+    row's; plain ratios, below 1 included), how far one pass moves with the host's
+    state; "" with fewer than 2."""
+    ratios = row.get("pass_speedups") or []
+    if len(ratios) < 2:
+        return ""
+    return f"passes {min(ratios):.2f}x-{max(ratios):.2f}x"
+
+
 def verdict_line(out: Dict[str, Any], checked: Dict[str, int],
                  growth: Optional[Growth] = None) -> str:
     """The run in one line: the traces checked, and per geometry the engine placement
@@ -136,9 +147,10 @@ def verdict_line(out: Dict[str, Any], checked: Dict[str, int],
         shown = []
         if ENGINE_KEY in rows and ENGINE_REFERENCE_KEY in result["rows"]:
             engine, upstream = rows[ENGINE_KEY], result["rows"][ENGINE_REFERENCE_KEY]
+            spread = pass_spread(engine)
             shown.append(f"{engine['label']} {speed(engine['speedup_vs_reference'])} "
-                         f"({engine['syncs']:.2f} syncs per step against upstream's "
-                         f"{upstream['syncs']:.2f})")
+                         f"({spread + '; ' if spread else ''}{engine['syncs']:.2f} syncs "
+                         f"per step against upstream's {upstream['syncs']:.2f})")
         named = [rows[key] for key in ("mirror @meta", "captured @meta") if key in rows]
         others = [row for key, row in rows.items() if not key.startswith("megatron")]
         best = max(others, key=lambda row: row["speedup_vs_reference"], default=None)
@@ -189,8 +201,10 @@ def trace_target_lines(out: Dict[str, Any], growth: Optional[Growth] = None) -> 
         row = out.get(name, {}).get("rows", {}).get(key)
         if row is not None:
             ratio = row["speedup_vs_reference"]
-            lines.append(f"{name}: {row['label']} {speed(ratio)} its reference "
-                         f"(target >= {least:.1f}x): {_verdict(ratio >= least)}")
+            spread = pass_spread(row)
+            lines.append(f"{name}: {row['label']} {speed(ratio)} its reference"
+                         f"{', ' + spread if spread else ''} (target >= {least:.1f}x): "
+                         f"{_verdict(ratio >= least)}")
     for name, result in out.items():
         rows = result["rows"]
         if ENGINE_KEY in rows and ENGINE_REFERENCE_KEY in rows:
