@@ -25,7 +25,7 @@ the same trace read (``known_syncs``), in order, shape and dtype checked.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Container, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -336,12 +336,14 @@ def check_trace(config: TraceConfig, trace: List[TraceStep],
                 paths: Tuple[str, ...] = ("direct", "mirror", "captured", "drop-in",
                                           "megatron", "upstream engine", "megatron engine"),
                 counts: Tuple[str, ...] = ("direct", "mirror", "captured"),
-                device_inputs: bool = True) -> Optional[str]:
+                device_inputs: bool = True,
+                inference_steps: Container[int] = ()) -> Optional[str]:
     """Replay ``trace`` on the CPU through the reference and ``paths`` (the captured
     path's depths run eagerly), the mirror path with device inputs (``mirror, device
     inputs``, with ``device_inputs``), the ``counts`` paths with block counts against
     the reference on the table with the dummy block past the counts. Describe the first
-    step where one's view or persistent buffers differ from its reference's, or None."""
+    step where one's view or persistent buffers differ from its reference's, or None.
+    Steps in ``inference_steps`` run under ``torch.inference_mode()``, built outside it."""
     cpu = torch.device("cpu")
     replays = {path: Replay(path, config, cpu, depths=True)
                for path in ("reference",) + paths}
@@ -359,10 +361,11 @@ def check_trace(config: TraceConfig, trace: List[TraceStep],
         replay.reset()
     for index, step in enumerate(trace):
         states = {}
-        for path, replay in replays.items():
-            replay.prepare(index, step)
-            replay.run(step)
-            states[path] = state_of(replay.meta, replay.view)
+        with torch.inference_mode(index in inference_steps):
+            for path, replay in replays.items():
+                replay.prepare(index, step)
+                replay.run(step)
+                states[path] = state_of(replay.meta, replay.view)
         for path, state in states.items():
             if path.startswith("reference"):
                 continue
@@ -384,8 +387,7 @@ def _oracle(replay: Replay) -> str:
 
 def _captured_lengths(step: TraceStep) -> Dict[str, int]:
     """The prefixes a captured draft loop writes as the default route does (contract
-    §12): the padded rows of the pad-masked fields, the ``n`` real rows of the rest; its
-    pad rows past ``n`` hold other (masked) values."""
+    §12): the padded rows of the pad-masked fields, the ``n`` real rows of the rest."""
     n, padded = step.active, step.padded
     lengths = dict.fromkeys(("token_to_block_idx", "token_to_local_position_within_kv_block",
                              "mha_query_lengths", "mha_kv_seq_lengths", "mha_block_table"),

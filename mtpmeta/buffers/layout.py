@@ -18,6 +18,8 @@ from typing import Any, Sequence, Tuple
 import numpy as np
 import torch
 
+from mtpmeta.buffers.grad_mode import kept_dtype_view
+
 __all__ = ["PackedLayout", "record_type", "numpy_dtype", "round_up", "dtype_range",
            "is_int_dtype"]
 
@@ -84,8 +86,9 @@ class PackedLayout:
             yield dtype, shape, offset, math.prod(shape) * dtype.itemsize
 
     def tensors(self, raw: torch.Tensor) -> Any:
-        """Typed views of every field inside the ``uint8`` tensor ``raw``, by name."""
-        views = [raw[offset:offset + size].view(dtype).view(shape)
+        """Typed views of every field inside the ``uint8`` tensor ``raw``, by name
+        (normal tensors in any grad mode: ``grad_mode``)."""
+        views = [kept_dtype_view(raw[offset:offset + size], dtype).view(shape)
                  for dtype, shape, offset, size in self._spans()]
         return record_type(self.names)(*views)
 

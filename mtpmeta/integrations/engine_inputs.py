@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from mtpmeta.buffers.device_runtime import get_runtime
+from mtpmeta.buffers.grad_mode import kept_tensors
 from mtpmeta.kernels import native
 from mtpmeta.validation.inputs import is_device_tensor
 
@@ -120,7 +121,8 @@ _READ_BACKS: "weakref.WeakKeyDictionary[Any, ReadBack]" = weakref.WeakKeyDiction
 def _read_back(meta: Any, like: torch.Tensor, runtime: Any) -> ReadBack:
     buffers = _READ_BACKS.get(meta)
     if buffers is None or buffers.device.device != like.device:
-        buffers = _READ_BACKS[meta] = ReadBack(meta.max_requests, like, runtime)
+        with kept_tensors():  # kept for every later pass, in either grad mode
+            buffers = _READ_BACKS[meta] = ReadBack(meta.max_requests, like, runtime)
     return buffers
 
 

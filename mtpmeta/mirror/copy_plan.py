@@ -25,6 +25,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from mtpmeta.buffers.grad_mode import kept_dtype_view
+
 __all__ = ["CopyPlan", "word_view", "forward_pairs"]
 
 CopyPair = Tuple[Tensor, Tensor]  # (destination, source)
@@ -43,7 +45,7 @@ def word_view(tensor: Tensor) -> Tensor:
             dtype.itemsize not in (4, 8) or tensor.dim() == 0 or \
             not tensor.is_contiguous() or tensor.stride(-1) != 1:  # size-1: any stride
         return tensor
-    return tensor if dtype == torch.int32 else tensor.view(torch.int32)
+    return tensor if dtype == torch.int32 else kept_dtype_view(tensor, torch.int32)
 
 
 class CopyPlan:

@@ -71,6 +71,7 @@ from torch import Tensor
 
 from mtpmeta.buffers import persistent
 from mtpmeta.buffers.bounded_cache import BoundedCache
+from mtpmeta.buffers.grad_mode import kept_tensors
 from mtpmeta.buffers.persistent import PersistentBuffers
 from mtpmeta.gpu_view import ViewTarget
 from mtpmeta.kernels import native
@@ -364,7 +365,8 @@ class CountedRoute:
         block = self._dummy_rows
         if block is None:
             minus_one = self._forward.minus_one
-            block = torch.full(minus_one.shape, self.dummy, dtype=torch.int32,
-                               device=minus_one.device)
+            with kept_tensors():
+                block = torch.full(minus_one.shape, self.dummy, dtype=torch.int32,
+                                   device=minus_one.device)
             self._dummy_rows = block
         return block

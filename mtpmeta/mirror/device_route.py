@@ -34,6 +34,7 @@ from mtpmeta.buffers.persistent import PersistentBuffers
 from mtpmeta.mirror.device_draft_plan import DraftPlan
 from mtpmeta.gpu_view import ViewTarget
 from mtpmeta.buffers.device_runtime import get_runtime
+from mtpmeta.buffers.grad_mode import kept_tensors
 from mtpmeta.mirror.token_scratch import TokenScratch
 
 # ``tensor[indices]`` into ``out`` (an out= gather with a C++ meta kernel, unlike
@@ -268,14 +269,14 @@ class DeviceRoute:
     # -------------------------------------------------------------------- writers
     @staticmethod
     def _writer_plan(target: ViewTarget, count: int) -> Tuple[Tensor, ...]:
-        """``write_mha_metadata``'s fixed views over ``count`` requests: the staged query
-        and KV rows, the whole ``[2, m]`` staging and sums the row scan takes (``m``:
-        the view's ``max_requests``; in ``target.writer_scratch``, one per view, with a
-        0 after them), and the ``_foreach_copy_`` pairs from them."""
+        """``write_mha_metadata``'s fixed views over ``count`` requests in the view's
+        ``writer_scratch`` (the ``[2, m]`` staged query/KV rows and their sums for the
+        row scan, then a 0; ``m``: the view's ``max_requests``) and the copy pairs."""
         m = target.max_requests
         if target.writer_scratch is None:
-            target.writer_scratch = torch.zeros(4 * m + 1, dtype=torch.int32,
-                                                device=target.device)
+            with kept_tensors():
+                target.writer_scratch = torch.zeros(4 * m + 1, dtype=torch.int32,
+                                                    device=target.device)
         scratch = target.writer_scratch
         staged, sums, zero = (scratch[:2 * m].view(2, m), scratch[2 * m:4 * m].view(2, m),
                               scratch[4 * m:])

@@ -45,6 +45,7 @@ from torch import Tensor
 
 from mtpmeta.buffers.lifecycle import DeviceLifecycle
 from mtpmeta.buffers.device_runtime import DeviceRuntime
+from mtpmeta.buffers.grad_mode import kept_tensors
 from mtpmeta.buffers.layout import PackedLayout
 from mtpmeta.buffers.persistent import PersistentBuffers
 from mtpmeta.gpu_view import ViewFields, ViewTarget, kernel_args, view_entries
@@ -218,8 +219,9 @@ class ForwardStaging:
             fence.wait()
         self.retired_stalls += sum(fence.blocked for fence in ring.fences)
         self.lifecycle.retire()  # the old ring's device stages and zone, used on any stream
-        self.ring = StagingRing(max(nbytes, 2 * ring.slot_bytes), ring.num_slots,
-                                self.device, self.runtime, device_twin=True)
+        with kept_tensors():
+            self.ring = StagingRing(max(nbytes, 2 * ring.slot_bytes), ring.num_slots,
+                                    self.device, self.runtime, device_twin=True)
         self.lifecycle.born()  # the new ring's fills, before a writer on any stream
         self.generation += 1
         for target in list(self._planned):

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from mtpmeta.buffers.bounded_cache import BoundedCache
+from mtpmeta.buffers.grad_mode import kept_tensors
 
 __all__ = ["TokenScratch"]
 
@@ -45,7 +46,8 @@ class TokenScratch:
         """``target.token_scratch`` (a ``ViewTarget``'s), made at its first use."""
         scratch = target.token_scratch
         if scratch is None:
-            scratch = target.token_scratch = cls(target.max_tokens, target.device)
+            with kept_tensors():
+                scratch = target.token_scratch = cls(target.max_tokens, target.device)
         return scratch
 
     def views(self, count: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -66,7 +68,8 @@ class TokenScratch:
         if view is None:
             tensor = self._typed.get((kind, dtype))
             if tensor is None:
-                tensor = torch.zeros(self.tokens, dtype=dtype, device=self.device)
+                with kept_tensors():
+                    tensor = torch.zeros(self.tokens, dtype=dtype, device=self.device)
                 self._typed[(kind, dtype)] = tensor
             view = tensor[:count]
             self._views.put(key, view)
@@ -91,8 +94,9 @@ class TokenScratch:
         if view is None:
             buffer = self._kept.get(inherited.dtype)
             if buffer is None or buffer.shape[0] < capacity:
-                buffer = self._kept[inherited.dtype] = torch.zeros(
-                    capacity, dtype=inherited.dtype, device=self.device)
+                with kept_tensors():
+                    buffer = self._kept[inherited.dtype] = torch.zeros(
+                        capacity, dtype=inherited.dtype, device=self.device)
             view = buffer[:size]
             self._views.put(key, view)
         view.copy_(inherited)
