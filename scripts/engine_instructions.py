@@ -7,7 +7,8 @@ Usage: ``python scripts/engine_instructions.py [steps]`` (default 80 steps of th
 standard trace, about 4 minutes; needs valgrind and the ``bench`` extra). Each row is
 replayed twice uninstrumented (JIT, plans, caches), then once with instructions
 counted for each step's calls only (``Replay.run``; the untimed ``Replay.prepare``,
-the client's own input placement, is left out, as the bench leaves it out of its time).
+the client's own input placement, is left out, as the bench leaves it out of its time),
+inside ``torch.inference_mode()`` as the bench steps them.
 """
 
 from __future__ import annotations
@@ -35,16 +36,18 @@ with cpp_meta_kernels():
         sequence = trace_bench.known_sequence(row)
         replay = trace_bench._replay(row, config,
                                      {{sequence: known_syncs(config, trace, *sequence)}})
-        replay.replay(placed)
-        replay.replay(placed)
+        with torch.inference_mode():  # the engine's step mode, as the trace bench
+            replay.replay(placed)
+            replay.replay(placed)
 
         def run(replay=replay):
             replay.reset()
-            for index, step in enumerate(placed):
-                _hooks.callgrind_stop_instrumentation()
-                replay.prepare(index, step)
-                _hooks.callgrind_start_instrumentation()
-                replay.run(step)
+            with torch.inference_mode():
+                for index, step in enumerate(placed):
+                    _hooks.callgrind_stop_instrumentation()
+                    replay.prepare(index, step)
+                    _hooks.callgrind_start_instrumentation()
+                    replay.run(step)
         region(label, run)
 '''
 

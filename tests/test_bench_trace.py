@@ -370,6 +370,34 @@ def test_verdict_names_the_patched_helpers_once_with_their_ratio_to_the_mirror_p
             "(1.25x faster than the mirror path)") in line
 
 
+def test_rows_are_built_outside_inference_mode_and_stepped_inside_it(monkeypatch):
+    """Megatron's controller runs the MTP helpers inside ``torch.inference_mode()`` on
+    a context built outside it: every row's objects are built outside the mode, and
+    every step it warms, counts and times runs inside it."""
+    make = trace_bench._replay
+    built, stepped = [], []
+
+    def recording(row, *args, **kwargs):
+        built.append(torch.is_inference_mode_enabled())
+        replay = make(row, *args, **kwargs)
+        run = replay.run
+
+        def run_recorded(step):
+            stepped.append(torch.is_inference_mode_enabled())
+            return run(step)
+
+        replay.run = run_recorded
+        return replay
+
+    monkeypatch.setattr(trace_bench, "_replay", recording)
+    rows = tuple(row for row in trace_bench.ROWS
+                 if row.key in ("reference @meta", "mirror @meta"))
+    trace_bench.measure_trace(TINY, 3, repeats=2, rows=rows)
+    assert len(built) == 3 and not any(built)  # two rows, and the runtime calls' replay
+    # 3 steps: per row its warm-up, its count and 2 timed passes; the runtime calls' once
+    assert len(stepped) == 3 * (2 * (1 + 1 + 2) + 1) and all(stepped)
+
+
 def test_each_pass_is_a_ratio_against_the_references_pass_of_the_same_round(
         monkeypatch):
     """``pass_speedups``: pass ``p`` of the reference over pass ``p`` of the row (each

@@ -6,8 +6,9 @@ estimate (+4 µs per device data op); and the engine's steps through the helpers
 ``mtpmeta.integrations.megatron.patch()`` installs, over the reference and over the
 mirror path's fused calls (what the one-call patch keeps of their gain); and the
 headline, Megatron's client placement through those helpers over upstream's helpers on
-the same placement, with its syncs and device data ops per step. Ratios and counts, so
-a busy machine moves them less than the times.
+the same placement, with its syncs and device data ops per step; every step inside
+``torch.inference_mode()``, as the engine runs them. Ratios and counts, so a busy
+machine moves them less than the times.
 """
 
 from mtpmeta.bench.trace import STANDARD_TRACE
