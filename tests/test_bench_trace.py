@@ -370,32 +370,29 @@ def test_verdict_names_the_patched_helpers_once_with_their_ratio_to_the_mirror_p
             "(1.25x faster than the mirror path)") in line
 
 
-def test_rows_are_built_outside_inference_mode_and_stepped_inside_it(monkeypatch):
+def test_rows_are_timed_inside_inference_mode_and_counted_outside_it(monkeypatch):
     """Megatron's controller runs the MTP helpers inside ``torch.inference_mode()`` on
-    a context built outside it: every row's objects are built outside the mode, and
-    every step it warms, counts and times runs inside it."""
-    make = trace_bench._replay
-    built, stepped = [], []
+    a context built outside it: every row's objects are built outside the mode and
+    every timed pass runs inside it; the ops and syncs are counted outside it, where
+    torch's dispatch modes see every aten op."""
+    make, timed, count = trace_bench._replay, trace_bench._timed_pass, trace_bench._counts
+    modes = {"built": [], "timed": [], "counted": []}
 
-    def recording(row, *args, **kwargs):
-        built.append(torch.is_inference_mode_enabled())
-        replay = make(row, *args, **kwargs)
-        run = replay.run
+    def recording(name, function):
+        def record(*args, **kwargs):
+            modes[name].append(torch.is_inference_mode_enabled())
+            return function(*args, **kwargs)
+        return record
 
-        def run_recorded(step):
-            stepped.append(torch.is_inference_mode_enabled())
-            return run(step)
-
-        replay.run = run_recorded
-        return replay
-
-    monkeypatch.setattr(trace_bench, "_replay", recording)
+    monkeypatch.setattr(trace_bench, "_replay", recording("built", make))
+    monkeypatch.setattr(trace_bench, "_timed_pass", recording("timed", timed))
+    monkeypatch.setattr(trace_bench, "_counts", recording("counted", count))
     rows = tuple(row for row in trace_bench.ROWS
                  if row.key in ("reference @meta", "mirror @meta"))
     trace_bench.measure_trace(TINY, 3, repeats=2, rows=rows)
-    assert len(built) == 3 and not any(built)  # two rows, and the runtime calls' replay
-    # 3 steps: per row its warm-up, its count and 2 timed passes; the runtime calls' once
-    assert len(stepped) == 3 * (2 * (1 + 1 + 2) + 1) and all(stepped)
+    assert modes["timed"] == [True] * 4  # two rows, two passes each
+    assert modes["counted"] == [False] * 2
+    assert modes["built"] == [False] * 3  # and the runtime calls' replay
 
 
 def test_each_pass_is_a_ratio_against_the_references_pass_of_the_same_round(

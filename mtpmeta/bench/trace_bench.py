@@ -6,11 +6,13 @@ the CPU through the reference and every path a row of that geometry times, which
 leave the reference's view and buffers (``trace_replay.check_trace``; exit status 1
 if not). Then each row is timed in interleaved passes of one run, on torch's ``meta``
 device with the C++ meta kernels (``mtpmeta.bench.meta_device``: the host's share of a
-GPU step) or on the CPU (the direct path, a CPU deployment), warmed, counted and timed
-inside ``torch.inference_mode()``, where Megatron's controller runs the MTP helpers
-(each row's objects built outside it, as the engine builds its context; outside it
-every torch op also passes autograd's dispatch, which upstream's many ops pay most
-for). Per row: the median and p90 over steps of each step's median over passes, the
+GPU step) or on the CPU (the direct path, a CPU deployment), timed inside
+``torch.inference_mode()``, where Megatron's controller runs the MTP helpers (each
+row's objects built outside it, as the engine builds its context; outside it every
+torch op also passes autograd's dispatch, which upstream's many ops pay most for).
+Ops and syncs are counted outside it, where torch's dispatch modes see every aten op
+(inside it they see an ``aten::to`` whole, and ``.item()`` on the CPU not at all).
+Per row: the median and p90 over steps of each step's median over passes, the
 ratio against the reference on the same device (and inputs) and its lowest and
 highest pass by pass (each pass's median step; the verdict and targets print them),
 device data ops, syncs and CUDA event/stream calls per step
@@ -215,8 +217,7 @@ def _runtime_calls(row: TraceRow, config: TraceConfig, trace: List[TraceStep],
     runtime = CountingRuntime()
     with use_runtime(runtime):
         replay = _replay(row, config, known)
-    with torch.inference_mode():
-        replay.replay(trace)
+    replay.replay(trace)
     calls = {kind: count / len(trace) for kind, count in runtime.calls.items()}
     calls["total"] = sum(calls.values())
     return calls
@@ -240,19 +241,20 @@ def measure_trace(config: TraceConfig, steps: int, *, repeats: int = 5, seed: in
         "shape": trace_shape_stats(trace), "micro_us_stock_meta": micro_us(), "rows": {}}
     with cpp_meta_kernels() as info:
         result["micro_us_cpp_meta"] = micro_us()
-        # Built outside inference mode, as an engine builds its context; stepped inside.
         replays = {row.key: _replay(row, config, known) for row in rows}
         inputs = {row.key: meta_trace if row.device_inputs else trace for row in rows}
         note(f"warming and counting {len(rows)} rows")
         counts, used = {}, set()
+        for row in rows:  # warm (JIT, plans), then count
+            replays[row.key].replay(inputs[row.key])
+            counts[row.key] = _counts(replays[row.key], inputs[row.key])
+            overloads = counts[row.key].pop("overloads")
+            if row.device == "meta":
+                used |= overloads
         samples: Dict[str, List[List[float]]] = {row.key: [] for row in rows}
-        with torch.inference_mode():
-            for row in rows:  # warm (JIT, plans), then count
+        with torch.inference_mode():  # the engine's step mode (module docstring)
+            for row in rows:
                 replays[row.key].replay(inputs[row.key])
-                counts[row.key] = _counts(replays[row.key], inputs[row.key])
-                overloads = counts[row.key].pop("overloads")
-                if row.device == "meta":
-                    used |= overloads
             rng = np.random.default_rng(seed)
             for number in range(repeats):
                 note(f"pass {number + 1} of {repeats}")
