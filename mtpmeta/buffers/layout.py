@@ -18,7 +18,7 @@ from typing import Any, Sequence, Tuple
 import numpy as np
 import torch
 
-from mtpmeta.buffers.grad_mode import kept_dtype_view
+from mtpmeta.buffers.grad_mode import kept_tensors
 
 __all__ = ["PackedLayout", "record_type", "numpy_dtype", "round_up", "dtype_range",
            "is_int_dtype"]
@@ -88,7 +88,10 @@ class PackedLayout:
     def tensors(self, raw: torch.Tensor) -> Any:
         """Typed views of every field inside the ``uint8`` tensor ``raw``, by name
         (normal tensors in any grad mode: ``grad_mode``)."""
-        views = [kept_dtype_view(raw[offset:offset + size], dtype).view(shape)
+        if torch.is_inference_mode_enabled():  # one mode switch for every field's view
+            with kept_tensors():
+                return self.tensors(raw)
+        views = [raw[offset:offset + size].view(dtype).view(shape)
                  for dtype, shape, offset, size in self._spans()]
         return record_type(self.names)(*views)
 
