@@ -125,6 +125,15 @@ def _device_calls(rng, R, W, BS):
     yield "write_mha_metadata", (queries, keys, table[:requests], requests), {}
 
 
+def _two_depths(obj, target, n, starts, table):
+    """An eager draft loop of two depths over ``n`` requests."""
+    obj.begin_decode(n, n, starts, table, False)
+    for _ in range(2):
+        obj.setup_decode_step(target)
+        obj.advance_decode_step()
+    obj.end_forward()
+
+
 @pytest.mark.usefixtures("device_route")
 def test_device_route_scratch_made_inside_inference_mode_takes_calls_outside_it():
     """Device-tensor writers and a device-input draft loop (the device route's token
@@ -145,12 +154,8 @@ def test_device_route_scratch_made_inside_inference_mode_takes_calls_outside_it(
             n = int(rng.integers(1, R + 1))
             starts = torch.tensor(rng.integers(0, W * BS - 4, R), dtype=torch.int32)
             table = torch.tensor(rng.integers(-1, R * W, (R, W)), dtype=torch.int32)
-            for obj, target in ((meta, view), (ref, ref_view)):
-                obj.begin_decode(n, n, starts, table, False)
-                for _ in range(2):
-                    obj.setup_decode_step(target)
-                    obj.advance_decode_step()
-                obj.end_forward()
+            _two_depths(meta, view, n, starts, table)
+            _two_depths(ref, ref_view, n, starts, table)
             assert_views_equal(view, ref_view)
             assert_buffers_equal(meta, ref)
 
