@@ -24,3 +24,20 @@ def device_route(monkeypatch):
     for module in (checks_module, writer_checks_module):
         monkeypatch.setattr(module, "is_device_tensor",
                             lambda value, runtime=None: isinstance(value, torch.Tensor))
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--inference-mode", action="store_true",
+        help="run each test's body inside torch.inference_mode(), where Megatron's "
+             "controller calls the MTP helpers (fixtures stay outside it, as an engine "
+             "builds its context outside it)")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    if item.config.getoption("--inference-mode"):
+        with torch.inference_mode():
+            yield
+    else:
+        yield
