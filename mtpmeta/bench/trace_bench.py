@@ -312,7 +312,8 @@ def run_trace(args: Any) -> int:
     geometries = trace_geometries(args.quick)
     repeats = args.repeats or (2 if args.quick else 5)
     note(f"trace: {len(geometries)} geometries ({', '.join(geometries)}), each checked "
-         f"against the reference on the CPU, then timed in {repeats} interleaved passes")
+         f"against the reference on the CPU, then timed in {repeats} interleaved passes "
+         f"inside torch.inference_mode()")
     out: Dict[str, Any] = {}
     checked: Dict[str, int] = {}
     load_before = load_now()

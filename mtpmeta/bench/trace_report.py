@@ -98,7 +98,9 @@ def format_trace(name: str, result: Dict[str, Any]) -> str:
                  "engine-placement rows: upstream's helpers on that placement); ops: device "
                  "data ops per step (meta rows; CPU rows: all data ops); syncs: read-backs "
                  "per step, answered from the host on meta; D2H B: bytes they read back; "
-                 "ev/str: CUDA event and stream calls per step (mirror path)")
+                 "ev/str: CUDA event and stream calls per step (mirror path); every step "
+                 "timed inside torch.inference_mode(), as Megatron's controller steps the "
+                 "helpers, and counted outside it")
     engine = engine_line(result["rows"])
     if engine:
         lines.append(engine)
