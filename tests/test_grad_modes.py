@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from mtpmeta import MTPMetadata
 from mtpmeta.bench.trace import STANDARD_TRACE, TraceConfig, make_trace
@@ -65,6 +66,14 @@ def test_every_path_takes_trace_steps_in_and_out_of_inference_mode(standard_step
     buffers equal the reference's."""
     assert check_trace(STANDARD_TRACE, standard_steps,
                        inference_steps=SCHEDULES[schedule]) is None
+
+
+@settings(max_examples=8, deadline=None)
+@given(inside=st.sets(st.integers(0, STEPS - 1)))
+def test_any_schedule_of_modes_leaves_the_references_bytes(standard_steps, inside):
+    """Any set of trace steps inside inference mode, the rest outside it: every path's
+    view and buffers equal the reference's at every step."""
+    assert check_trace(STANDARD_TRACE, standard_steps, inference_steps=inside) is None
 
 
 def _inference_tensors(root):
