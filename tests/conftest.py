@@ -1,3 +1,5 @@
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -36,8 +38,6 @@ def pytest_addoption(parser):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
-    if item.config.getoption("--inference-mode"):
-        with torch.inference_mode():
-            yield
-    else:
+    inside = item.config.getoption("--inference-mode")
+    with torch.inference_mode() if inside else contextlib.nullcontext():
         yield

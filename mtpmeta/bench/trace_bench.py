@@ -17,10 +17,9 @@ ratio against the reference on the same device (and inputs) and its lowest and
 highest pass by pass (each pass's median step; the verdict and targets print them),
 device data ops, syncs and CUDA event/stream calls per step
 (``counters.CountingRuntime``), and the launch-cost estimate "meta µs + 4 µs per
-device data op". The read-backs on meta are answered
-from the host with the values a CPU replay of the trace read
-(``trace_replay.known_syncs``): the reference's (``HostKnownReference``) and the
-patched helpers' of the client's device inputs
+device data op". The read-backs on meta are answered from the host with the values a
+CPU replay of the trace read (``trace_replay.known_syncs``): the reference's
+(``HostKnownReference``) and the patched helpers' of the client's device inputs
 (``engine_placement.PlacementRuntime``); ``syncs`` counts them.
 
 What each row tells a scheduler author: ``megatron, engine placement`` (the headline)

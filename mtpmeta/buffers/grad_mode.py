@@ -38,6 +38,6 @@ def kept_dtype_view(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     False
     """
     if torch.is_inference_mode_enabled():
-        with torch.inference_mode(False):
+        with kept_tensors():
             return tensor.view(dtype)
     return tensor.view(dtype)
