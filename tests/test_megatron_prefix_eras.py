@@ -6,8 +6,12 @@ Failure story: the engine the helpers were first written against keeps
 blocks by that array; the newer engine keeps it on ``mtp_metadata`` alone, and its
 mixin reads it there. A patched helper that reads only the context's array fails on
 the newer engine (no such attribute); one that reads only the metadata's misses the
-older engine's hits and rewrites shared prefix blocks. Each engine is run unpatched
-and patched over seeded steps with prefix hits, and every byte must agree.
+older engine's hits and rewrites shared prefix blocks; and one that leaves the
+metadata's array at zeros on the older engine makes ``check_invariants`` (run after
+every call under ``MTPMETA_DEBUG=1``) report a prefix block sent to the dummy block as
+the request's own KV lost. Each engine is run unpatched and patched over seeded steps
+with prefix hits, the patched run checked after every view-writing call, and every byte
+must agree.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ def _context_class(modules: Dict[str, Any]) -> Any:
 
 def _own_hits_context(modules: Dict[str, Any]) -> Any:
     """The older engine: the context keeps the hits in its own array, apart from the
-    metadata's (left at zeros, so reading it would redirect nothing)."""
+    metadata's (which the engine never writes)."""
     base = _context_class(modules)
 
     class OwnHitsContext(base):
@@ -73,9 +77,50 @@ def test_the_context_s_own_hits_redirect_the_commit_pass(upstream, seed):
     megatron.patch(block_counts=False)
     context = _own_hits_context(upstream)
     context.mtp_metadata.allocate("cpu", mirror=True)
-    actual = run(context, steps, hits=context.own_hits)
-    assert not context.mtp_metadata.request_matched_prefix_blocks.any()
+    actual = run(context, steps, check=True, hits=context.own_hits)
     assert_same_trace(expected, actual)
+    # the last pass's hits, copied where the checks and the draft loop read them
+    assert torch.equal(context.mtp_metadata.request_matched_prefix_blocks,
+                       context.own_hits)
+
+
+def test_int64_hits_in_range_are_copied_too(upstream):
+    """The older engine's hits as int64: copied into the metadata's int32 array when
+    every count lies in ``[0, W]`` (exact), so the checks read them as well."""
+    steps = _steps(0)
+    reference = _own_hits_context(upstream)
+    reference.own_hits = reference.own_hits.to(torch.int64)
+    expected = run(reference, steps, hits=reference.own_hits)
+    megatron.patch(block_counts=False)
+    context = _own_hits_context(upstream)
+    context.own_hits = context.own_hits.to(torch.int64)
+    context.mtp_metadata.allocate("cpu", mirror=True)
+    assert_same_trace(expected, run(context, steps, check=True, hits=context.own_hits))
+    assert torch.equal(context.mtp_metadata.request_matched_prefix_blocks,
+                       context.own_hits.to(torch.int32))
+
+
+def test_int64_hits_out_of_range_are_refused_not_wrapped(upstream):
+    """An int64 count of ``2**32 + 1`` would wrap to 1 in the metadata's int32 array and
+    redirect one block: it is passed as it is instead, and the commit pass refuses it,
+    naming ``inherited_blocks`` and the count, with nothing written."""
+    megatron.patch(block_counts=False)
+    context = _own_hits_context(upstream)
+    context.own_hits = context.own_hits.to(torch.int64)
+    context.mtp_metadata.allocate("cpu", mirror=True)
+    step = _steps(0)[0]
+    context.paused_request_count, context.total_request_count = 0, step["total"]
+    context.request_to_kv_block_ids.copy_(step["table"])
+    context.own_hits[0] = 2 ** 32 + 1
+    view = context.gpu_view.token_to_block_idx.clone()
+    with pytest.raises(ValueError, match="inherited_blocks: request 0 inherits 4294967297"):
+        context._mtp_setup_prefill_step(
+            step["counts"][:step["total"]], context.request_to_kv_block_ids[:step["total"]],
+            padded_token_count=step["padded_tokens"],
+            padded_request_count=step["padded_requests"],
+            request_start_positions=step["starts"][:step["total"]])
+    assert torch.equal(context.gpu_view.token_to_block_idx, view)
+    assert not context.mtp_metadata.request_matched_prefix_blocks.any()
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -90,4 +135,4 @@ def test_without_the_context_s_array_the_metadata_s_hits_redirect(upstream, seed
     context = _metadata_hits_context(upstream)
     context.mtp_metadata.allocate("cpu", mirror=True)
     assert not hasattr(context, "request_matched_prefix_blocks")
-    assert_same_trace(expected, run(context, steps))
+    assert_same_trace(expected, run(context, steps, check=True))

@@ -54,6 +54,8 @@ import inspect
 import sys
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+import numpy as np
+
 from mtpmeta.buffers.device_runtime import get_runtime
 from mtpmeta.errors import MTPDisabledError
 from mtpmeta.integrations.engine_inputs import check_total, commit_inputs, host_view, \
@@ -133,14 +135,33 @@ def _commit_block_counts(context: Any, host_table: bool) -> Any:
 
 
 def _prefix_blocks(context: Any, meta: MTPMetadata) -> Any:
-    """Each row's inherited prefix blocks ``[R]``: the context's
-    ``request_matched_prefix_blocks`` when it keeps them (the engine whose mixin reads
-    them there), else the metadata's own (the newer engine keeps them on
-    ``mtp_metadata``, and its mixin reads them from there). Either way whole: the
-    declared split takes the active rows."""
+    """Each row's inherited prefix blocks ``[R]``, whole (the declared split takes the
+    active rows): the metadata's ``request_matched_prefix_blocks``, which the newer
+    engine keeps (its mixin reads them there).
+
+    The older engine keeps the hits on its context (``request_matched_prefix_blocks``,
+    its mixin reads them there) and never writes the metadata's. A host array of ``R``
+    integers is then copied into the metadata's before the pass, so the pass, the draft
+    loop's protected-start check and ``check_invariants`` (``MTPMETA_DEBUG=1``) all read
+    the hits the engine redirects by; any other array (a device tensor, another length,
+    counts of another dtype outside ``[0, max_kv_block_count]``) is passed as it is, for
+    the commit pass to read or refuse.
+    Example: context hits [0, 2, 0, 1] -> the metadata's [0, 2, 0, 1], then passed.
+    """
+    runtime = get_runtime()
+    annotations = host_view(meta.request_matched_prefix_blocks, runtime)
     blocks = getattr(context, "request_matched_prefix_blocks", None)
-    return host_view(meta.request_matched_prefix_blocks if blocks is None else blocks,
-                     get_runtime())
+    if blocks is None:
+        return annotations
+    hits = host_view(blocks, runtime)
+    if not (isinstance(hits, np.ndarray) and isinstance(annotations, np.ndarray)
+            and hits.shape == annotations.shape and hits.dtype.kind in "iu"):
+        return hits
+    if hits.dtype != annotations.dtype and hits.size and not (
+            hits.min() >= 0 and hits.max() <= meta.max_kv_block_count):
+        return hits  # a conversion could wrap a count into range: the pass refuses it
+    annotations[...] = hits
+    return annotations
 
 
 def _library_metadata(context: Any, helper: str, *, enabled: bool = False) -> MTPMetadata:
