@@ -2,12 +2,14 @@
 
 Megatron's controller runs the MTP helpers inside ``torch.inference_mode()``, and a
 scheduler may call outside it too (a warm-up, a reset, a test). Upstream's buffers are
-all made at construction, so its class takes both. The library makes some buffers,
-scratch and cached dtype views lazily, at the first call that needs them; made inside
-inference mode they would be inference tensors, and the first call outside it would
-fail writing them ("Inplace update to inference tensor outside InferenceMode"). Every
-test builds its objects outside inference mode, as an engine builds its context, then
-switches mode between calls and compares every byte with the reference.
+all made at construction, so its class takes both when built outside the mode. The
+library makes some buffers, scratch and cached dtype views lazily, at the first call
+that needs them; made inside inference mode they would be inference tensors, and the
+first call outside it would fail writing them ("Inplace update to inference tensor
+outside InferenceMode"). The tests build their objects outside inference mode, as an
+engine builds its context (one allocates inside it: ``allocate`` makes normal tensors
+in either mode), then switch mode between calls and compare every byte with the
+reference.
 """
 
 from __future__ import annotations
@@ -117,6 +119,34 @@ def test_no_tensor_the_library_keeps_is_an_inference_tensor(path, counts, config
             replay.prepare(index, step)
             replay.run(step)
     assert _inference_tensors(replay.meta) == []
+
+
+@pytest.mark.parametrize("mirror", [False, True], ids=["direct", "mirror"])
+def test_an_object_allocated_inside_inference_mode_takes_calls_outside_it(mirror):
+    """``allocate`` inside inference mode (an engine that builds its context there),
+    then a row move, prefix hits written in place, a commit pass and an eager draft
+    loop outside it: no buffer is an inference tensor, and every byte is the
+    reference's."""
+    rng = np.random.default_rng(9)
+    meta = MTPMetadata(**config())
+    with torch.inference_mode():
+        meta.allocate("cpu", mirror=mirror)
+    assert _inference_tensors(meta) == []
+    ref = make_reference()
+    view, ref_view = make_views(meta)
+    R, W, BS = meta.max_requests, meta.max_kv_block_count, meta.block_size_tokens
+    table = torch.tensor(rng.integers(0, R * W, (R, W)), dtype=torch.int32)
+    for obj, target in ((meta, view), (ref, ref_view)):
+        obj.request_matched_prefix_blocks[1] = 1
+        obj.move_request_rows(torch.tensor([1]), torch.tensor([0]))
+        counts = torch.tensor([3, 2], dtype=torch.int32)
+        starts = torch.tensor([BS, 5], dtype=torch.int32)
+        obj.setup_commit_pass(target, counts, table[:2], start_positions=starts,
+                              inherited_blocks=obj.request_matched_prefix_blocks[:2])
+        obj.end_forward()
+        _two_depths(obj, target, 2, starts + counts, table)
+    assert_views_equal(view, ref_view)
+    assert_buffers_equal(meta, ref)
 
 
 def _device_calls(rng, R, W, BS):

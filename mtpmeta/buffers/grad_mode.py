@@ -5,10 +5,11 @@ scheduler may call outside it too (a warm-up, a reset, a test). A tensor made in
 inference mode, and a dtype view (``view(dtype)``) made there even of a normal tensor,
 is an inference tensor, which no later call outside inference mode may write in place.
 Upstream's buffers are all made at construction, so they take calls in either mode, in
-any order; the library's lazily made buffers, scratch and cached dtype views are made
-outside inference mode for the same reason (``kept_tensors``). Slices, reshapes and
-other views of a normal tensor stay normal in any mode, so only allocations and dtype
-views need it.
+any order (when constructed outside it); the library's buffers (those ``allocate``
+makes and those made lazily), scratch and cached dtype views are made outside
+inference mode (``kept_tensors``), so they take calls in either mode wherever made.
+Slices, reshapes and other views of a normal tensor stay normal in any mode, so only
+allocations and dtype views need it.
 """
 
 from __future__ import annotations

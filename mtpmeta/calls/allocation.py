@@ -15,6 +15,7 @@ from typing import Any, Optional, Tuple
 import torch
 
 from mtpmeta.buffers.device_runtime import get_runtime
+from mtpmeta.buffers.grad_mode import kept_tensors
 from mtpmeta.buffers.layout import dtype_range
 from mtpmeta.buffers.persistent import PersistentBuffers
 from mtpmeta.calls.backend import Backend
@@ -67,25 +68,28 @@ class Allocation:
         geometry, under the device runtime in effect now. The arguments are
         ``MTPMetadata``'s configuration and ``allocate``'s checked arguments;
         ``kept``: ``(annotations, runtime)`` of the last allocation, whose annotation
-        tensor is taken over when it was made under this runtime."""
-        runtime = get_runtime()
-        annotations = kept[0] if kept is not None and kept[1] is runtime else None
-        buffers = PersistentBuffers.allocate(
-            max_requests=max_requests, max_kv_block_count=max_kv_block_count,
-            dummy_block_idx=dummy_block_idx, block_table_dtype=block_table_dtype,
-            hidden_size=hidden_size, hidden_dtype=hidden_dtype, device=device,
-            runtime=runtime, annotations=annotations)
-        if mirror:
-            from mtpmeta.mirror.backend import MirrorBackend
+        tensor is taken over when it was made under this runtime. Every tensor is made
+        outside ``torch.inference_mode`` (``kept_tensors``), whatever mode the caller is
+        in: calls outside the mode may then write them too."""
+        with kept_tensors():  # normal tensors in either grad mode (contract §1)
+            runtime = get_runtime()
+            annotations = kept[0] if kept is not None and kept[1] is runtime else None
+            buffers = PersistentBuffers.allocate(
+                max_requests=max_requests, max_kv_block_count=max_kv_block_count,
+                dummy_block_idx=dummy_block_idx, block_table_dtype=block_table_dtype,
+                hidden_size=hidden_size, hidden_dtype=hidden_dtype, device=device,
+                runtime=runtime, annotations=annotations)
+            if mirror:
+                from mtpmeta.mirror.backend import MirrorBackend
 
-            backend = MirrorBackend(buffers, max_requests=max_requests,
-                                    block_size=block_size_tokens, dummy=dummy_block_idx,
-                                    max_tokens=max_tokens, num_slots=staging_slots,
-                                    runtime=runtime)
-        else:
-            backend = DirectBackend(buffers, max_requests=max_requests,
-                                    block_size=block_size_tokens, dummy=dummy_block_idx)
-        return cls(buffers, backend, Geometry(
-            max_requests, max_kv_block_count, block_size_tokens, dummy_block_idx,
-            hidden_size, hidden_dtype, buffers.offsets.device, bool(mirror),
-            block_table_dtype, dtype_range(block_table_dtype), runtime))
+                backend = MirrorBackend(buffers, max_requests=max_requests,
+                                        block_size=block_size_tokens, dummy=dummy_block_idx,
+                                        max_tokens=max_tokens, num_slots=staging_slots,
+                                        runtime=runtime)
+            else:
+                backend = DirectBackend(buffers, max_requests=max_requests,
+                                        block_size=block_size_tokens, dummy=dummy_block_idx)
+            return cls(buffers, backend, Geometry(
+                max_requests, max_kv_block_count, block_size_tokens, dummy_block_idx,
+                hidden_size, hidden_dtype, buffers.offsets.device, bool(mirror),
+                block_table_dtype, dtype_range(block_table_dtype), runtime))
