@@ -510,6 +510,26 @@ def test_debug_wrapper_checks_after_each_public_call_once(path):
         meta.advance_decode_step()
 
 
+def test_meta_device_objects_are_skipped_by_the_wrapper_and_refused_by_the_check():
+    """Buffers on torch's meta device (a host-cost bench) hold no values: the debug
+    wrapper runs their calls unchecked (they would fail reading a meta tensor back),
+    and an explicit check is a ValueError saying why."""
+    from mtpmeta.bench.meta_device import cpp_meta_kernels
+
+    debug_cls = type("DebugMTPMetadata", (MTPMetadata,), {})
+    install_debug_checks(debug_cls)
+    meta = debug_cls(**config())
+    meta.allocate(torch.device("meta"), mirror=True)
+    starts = torch.zeros(R, dtype=torch.int64, device="meta")
+    with cpp_meta_kernels():
+        meta.begin_decode(3, 4, starts, torch.tensor(TABLE), True)
+        meta.advance_decode_step()
+        meta.end_forward()
+    with pytest.raises(ValueError, match="check_invariants: the buffers are on torch's "
+                                         "meta device"):
+        meta.check_invariants()
+
+
 _DEBUG_SCRIPT = textwrap.dedent("""
     import numpy as np, torch
     from mtpmeta import ContextGPUView, InvariantError, MTPMetadata
