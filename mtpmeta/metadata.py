@@ -356,10 +356,11 @@ class MTPMetadata:
                           inherited_blocks: Optional[Tensor] = None,
                           padded_token_count: Optional[int] = None,
                           padded_request_count: Optional[int] = None,
-                          block_counts: Optional[Tensor] = None) -> ForwardShape:
+                          block_counts: Optional[Tensor] = None,
+                          device_block_table: Optional[Tensor] = None) -> ForwardShape:
         return self._commit.setup(gpu_view, append_counts, block_table, start_positions,
                                   inherited_blocks, padded_token_count,
-                                  padded_request_count, block_counts)
+                                  padded_request_count, block_counts, device_block_table)
 
     # ---------------------------------------------------------- destination view
     @public_doc(ViewWriters.write_token_maps)

@@ -75,14 +75,16 @@ def _reading(helper_name, read):
 
 
 def test_every_read_back_of_a_held_device_tensor_is_counted_with_its_bytes():
-    """Each way the host can read a device tensor counts one sync and the bytes read;
-    views and device ops keep it a device tensor and read nothing; a ``to_host`` read's
-    values are recorded, for the same read on meta."""
+    """Each way the host can read a device tensor counts one sync and the bytes read
+    (a copy: into the runtime's host memory); views, device ops and a copy into the
+    library's device memory (a plain CPU tensor on a CPU replay) keep it a device
+    tensor and read nothing; a ``to_host`` read's values are recorded, for the same
+    read on meta."""
     runtime = PlacementRuntime(TorchRuntime())
     counts = runtime.mark(torch.arange(6, dtype=torch.int64))
     reads = [lambda: counts.cpu(), lambda: counts.tolist(), lambda: counts.numpy(),
              lambda: np.asarray(counts), lambda: counts.to("cpu"),
-             lambda: torch.empty(6, dtype=torch.int64).copy_(counts),
+             lambda: runtime.host_empty((6,), torch.int64).copy_(counts),
              lambda: runtime.to_host(counts)]
     for number, read in enumerate(reads, 1):
         value = read()
@@ -92,6 +94,7 @@ def test_every_read_back_of_a_held_device_tensor_is_counted_with_its_bytes():
     view, summed = counts[2:4], counts + 1
     assert isinstance(view, DeviceHeld) and isinstance(summed, DeviceHeld)
     assert runtime.is_device(view) and runtime.is_device(summed.sum())
+    torch.empty(6, dtype=torch.int64).copy_(counts)  # device to device
     assert runtime.syncs == len(reads)  # views and device ops read nothing back
     assert int(view[0]) == 2 and view[1].item() == 3
     assert (runtime.syncs, runtime.read_bytes) == (len(reads) + 2, 48 * len(reads) + 16)

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import types
 from collections import deque
-from typing import Any, Deque, List, Optional, Sequence
+from typing import Any, Deque, List, Optional, Sequence, Set
 
 import torch
 
@@ -66,15 +66,20 @@ _READS = frozenset((torch.Tensor.cpu, torch.Tensor.tolist, torch.Tensor.numpy,
                     torch.Tensor.__bool__, torch.Tensor.__float__, torch.Tensor.__array__))
 
 
-def _reads_back(func: Any, args: tuple, kwargs: dict) -> bool:
-    """Whether ``func(*args, **kwargs)`` reads a held device tensor into the host."""
+def _reads_back(func: Any, args: tuple, kwargs: dict, host: Set[int]) -> bool:
+    """Whether ``func(*args, **kwargs)`` reads a held device tensor into the host. A
+    copy does when its destination is host memory: on a CPU replay the library's
+    device buffers are CPU tensors too, so that is memory the runtime's ``host_empty``
+    made (``host``: their storages' addresses)."""
     if func in _READS:
         return True
     if func is torch.Tensor.to:
         target = kwargs.get("device", args[1] if len(args) > 1 else None)
         return isinstance(target, (str, torch.device)) and torch.device(target).type == "cpu"
     if func is torch.Tensor.copy_:
-        return not isinstance(args[0], DeviceHeld) and args[0].is_cpu
+        dst = args[0]
+        return not isinstance(dst, DeviceHeld) and dst.is_cpu and \
+            dst.untyped_storage().data_ptr() in host
     return False
 
 
@@ -89,7 +94,7 @@ class DeviceHeld(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not _reads_back(func, args, kwargs):
+        if not _reads_back(func, args, kwargs, cls.runtime.host_storages):
             return super().__torch_function__(func, types, args, kwargs)
         held = next(a for a in args if isinstance(a, DeviceHeld))
         cls.runtime.count(held)
@@ -100,7 +105,7 @@ class DeviceHeld(torch.Tensor):
 
 
 #: The runtime calls a ``PlacementRuntime`` leaves to its inner runtime.
-_INNER_CALLS = ("host_empty", "record_stream", "event", "current_stream", "is_capturing",
+_INNER_CALLS = ("record_stream", "event", "current_stream", "is_capturing",
                 "synchronize", "fence")
 
 
@@ -123,6 +128,7 @@ class PlacementRuntime:
         self.syncs = 0
         self.read_bytes = 0
         self.recorded: List[torch.Tensor] = []
+        self.host_storages: Set[int] = set()  # host_empty's
         self._known: Optional[Deque[torch.Tensor]] = None
         self.held = type("DeviceHeld", (DeviceHeld,), {"runtime": self})
         for name in _INNER_CALLS:  # bound once: no look-up through this object per call
@@ -132,6 +138,12 @@ class PlacementRuntime:
 
     def __getattr__(self, name: str) -> Any:  # anything else inner has
         return getattr(self.inner, name)
+
+    def host_empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """``inner``'s host memory, its storage noted as the host's (``_reads_back``)."""
+        tensor = self.inner.host_empty(shape, dtype)
+        self.host_storages.add(tensor.untyped_storage().data_ptr())
+        return tensor
 
     def mark(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` as a device tensor held in host memory; ``ValueError`` on a runtime

@@ -149,8 +149,8 @@ class Replay:
             self.meta, self.view = PATHS[path](config, device)
         self.counts = counts
         # the Megatron helpers pass the context's block counts to the commit pass only
-        # (``patch()``'s default; the engine-placement rows choose by ``counts``)
-        self.commit_counts = path in ENGINE_PATHS or (path in PLACEMENT_PATHS and counts)
+        # (``patch()``'s default), not with the client's device table rows
+        self.commit_counts = path in ENGINE_PATHS
         self.empty = self.meta.dummy_block_idx if masked else -1  # past the blocks
         self.table = torch.full((config.max_requests, config.block_columns), self.empty,
                                 dtype=torch.int32)
@@ -381,7 +381,8 @@ def _oracle(replay: Replay) -> str:
     """The reference replay ``check_trace`` holds ``replay`` to."""
     if replay.commit_counts:
         return "reference, commit masked"
-    return "reference, masked" if replay.counts else "reference"
+    masked = replay.counts and replay.placement is None  # placement: device rows as such
+    return "reference, masked" if masked else "reference"
 
 
 def _captured_lengths(step: TraceStep) -> Dict[str, int]:

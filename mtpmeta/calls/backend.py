@@ -50,7 +50,8 @@ class Backend(Protocol):
                     starts: Optional[np.ndarray], table: np.ndarray,
                     inherited: Optional[np.ndarray], padded_tokens: int, pad_tokens: int,
                     min_padded_requests: int, padded_requests: int,
-                    block_counts: Optional[np.ndarray] = None
+                    block_counts: Optional[np.ndarray] = None,
+                    device_table: Optional[torch.Tensor] = None
                     ) -> Tuple[int, int, int, int]: ...
     def write_token_maps(self, target: ViewTarget, rows: np.ndarray, positions: np.ndarray,
                          table: np.ndarray, inherited: Optional[np.ndarray],

@@ -20,8 +20,9 @@ from mtpmeta.kernels import native
 from mtpmeta.types import ForwardRecord, ForwardShape, MTPForwardMode
 from mtpmeta.validation.request_rows import leading_length, raise_split_ended
 from mtpmeta.validation.bounds import refuse_whole_annotations
-from mtpmeta.validation.checks import (check_commit_inputs, check_prefill_lengths,
-                                       raise_commit_block, refuse_unallocated_inherited)
+from mtpmeta.validation.checks import (check_commit_inputs, check_device_rows,
+                                       check_prefill_lengths, raise_commit_block,
+                                       refuse_unallocated_inherited)
 
 __all__ = ["CommitPass"]
 
@@ -88,7 +89,8 @@ class CommitPass:
 
     def setup(self, gpu_view: Any, append_counts: Any, block_table: Any,
               start_positions: Any, inherited_blocks: Any, padded_token_count: Any,
-              padded_request_count: Any, block_counts: Any) -> ForwardShape:
+              padded_request_count: Any, block_counts: Any,
+              device_block_table: Any = None) -> ForwardShape:
         """The whole varlen commit pass in one call; sets ``forward_mode = COMMIT``.
 
         Request ``r`` (row ``r`` of ``block_table``) writes ``append_counts[r]``
@@ -125,6 +127,14 @@ class CommitPass:
         the dummy block (upstream copies the caller's row, -1 entries included).
         Example: BS 4, R 2, counts [3, 3], tables [[0, -1], [1, -1]], 8 tokens ->
         lengths [3, 5], request 1 reads row [1, D]. ``block_counts``: opt-in, contract §5.
+        ``device_block_table``: the same rows ``[>= P, W]`` already on the buffers'
+        device (an engine's ``.to(device)`` copy of ``block_table``, say): the mirror
+        path copies the view's ``mha_block_table`` rows from it on the device instead
+        of shipping the host rows, so the table's bytes leave the host's cost, while
+        ``block_table`` still places and checks every written block. Its rows must
+        equal the host rows (not checked: that would read them back); the rows are
+        placed as they are (``block_counts`` is then only checked). The direct path
+        writes the host rows.
         """
         backend = self._backend
         if backend is None:
@@ -135,9 +145,10 @@ class CommitPass:
             if split is None or split.committed:
                 raise_split_ended("setup_commit_pass")
             count = leading_length(append_counts)
-            block_table, start_positions, inherited_blocks, block_counts = split.active(
+            (block_table, start_positions, inherited_blocks, block_counts,
+             device_block_table) = split.active(
                 count, "append_counts", block_table, start_positions, inherited_blocks,
-                block_counts)
+                block_counts, device_block_table)
             if inherited_blocks is None and count is not None:  # prefix hits protected
                 inherited_blocks = self._rows[split.paused:split.paused + count]
         if state.annotation_offset and inherited_blocks is not None:
@@ -151,9 +162,13 @@ class CommitPass:
             inherited_blocks, padded_token_count, padded_request_count, block_counts)
         if inherited is not None:  # before any write, as the kernel's own scan
             refuse_unallocated_inherited(table, inherited, counts, used)
+        if device_block_table is not None:  # its rows as they are: counts only checked
+            device_block_table = check_device_rows(geometry, device_block_table, table,
+                                                   counts.shape[0])
+            used = None
         refused, staged, padded_requests, max_len = backend.commit_pass(
             target, counts, starts, table, inherited, padded_tokens, pad, min_padded,
-            padded_requests, used)
+            padded_requests, used, device_block_table)
         if refused < 0:  # a bad written block or inherited count: nothing written
             raise_commit_block(geometry, target, -refused, staged, padded_requests,
                                counts, starts, table, inherited)

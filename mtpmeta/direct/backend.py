@@ -128,11 +128,12 @@ class DirectBackend:
                     starts: Optional[np.ndarray], table: np.ndarray,
                     inherited: Optional[np.ndarray], padded_tokens: int, pad_tokens: int,
                     min_padded_requests: int, padded_requests: int,
-                    block_counts: Optional[np.ndarray] = None
-                    ) -> Tuple[int, int, int, int]:
+                    block_counts: Optional[np.ndarray] = None,
+                    device_table: Any = None) -> Tuple[int, int, int, int]:
         """The commit pass; ``(T, m, padded_requests, max_len)``, or (nothing written)
         ``(-code, r, column, 0)`` for a bad written block (``native.staging.commit_pass``).
-        With ``block_counts``: ``mtpmeta.kernels.counted.counted_commit``."""
+        With ``block_counts``: ``mtpmeta.kernels.counted.counted_commit``. No
+        ``device_table`` reaches this host path (``check_device_rows``)."""
         if block_counts is not None:
             known = self._known  # known_rows 0: every column written, known only written
             if known.shape[0] <= padded_requests:  # a view with more requests than R

@@ -21,15 +21,20 @@ spends on ``seq_lengths.max().item()``:
   upstream's contract, which the helper cannot check without reading the device copy:
   it assumes it when the context's table is a host integer tensor of the same width
   with at least ``A`` active rows (the engine casts its copy to the view's
-  ``mha_block_table`` dtype; the library checks the host ids against that dtype). When
-  the context's table is itself on the device (no host copy to read), its rows travel in
-  the same packed read (one sync, ``8 * A * W`` more bytes, into buffers made for that
-  read: outside upstream's placement).
+  ``mha_block_table`` dtype; the library checks the host ids against that dtype). The
+  host rows place and check every block a token writes, and the view's
+  ``mha_block_table`` rows are copied from ``block_table_prefill`` itself on the device
+  (``setup_commit_pass``'s ``device_block_table``): the table's ``4 * A * W`` bytes
+  never cross the bus or pass through the host, and the rows are upstream's, ``-1``
+  past each row's blocks. When the context's table is itself on the device (no host
+  copy to read), its rows travel in the same packed read (one sync, ``8 * A * W`` more
+  bytes, into buffers made for that read: outside upstream's placement).
 
 What is validated: the counts, the start positions and the host table rows, in full
 (each written block checked against the view before anything is written), and
 ``total`` against the counts' sum. What is not: that the device ``block_table_prefill``
-holds the host rows it was copied from; the library writes the host rows.
+holds the host rows it was copied from; the tokens' blocks are the host rows', the
+attention's table rows the device copy's.
 
 Why not a device route for the commit pass (torch ops sized by ``total`` and the
 padded counts): it would still read the longest length back (one sync, as upstream),
@@ -155,11 +160,13 @@ def _host_rows(context: Any, table: Any, rows: int, paused: int,
 
 
 def commit_inputs(context: Any, append_counts: Any, block_table: Any,
-                  start_positions: Any, meta: Any) -> Tuple[Any, Any, Any]:
-    """``(append_counts, block_table, start_positions)`` with every device tensor
-    replaced by host values (module docstring); host inputs come back as they are. The
-    host counts and start positions are views of ``meta``'s ``ReadBack``, valid until
-    its next commit pass.
+                  start_positions: Any, meta: Any) -> Tuple[Any, Any, Any, Any]:
+    """``(append_counts, block_table, start_positions, device_rows)`` with every device
+    tensor replaced by host values (module docstring); host inputs come back as they
+    are. The host counts and start positions are views of ``meta``'s ``ReadBack``,
+    valid until its next commit pass. ``device_rows``: the caller's device
+    ``block_table`` when its host rows were taken from the context's table (for
+    ``setup_commit_pass``'s ``device_block_table``), else None.
 
     ``start_positions``: in active order (entry ``i`` for request ``i``). A device
     table of exactly ``max_requests`` rows behind paused rows is the context's whole
@@ -171,10 +178,10 @@ def commit_inputs(context: Any, append_counts: Any, block_table: Any,
     table_dev = _on_device(block_table, runtime)
     starts_dev = _on_device(start_positions, runtime)
     if not (counts_dev or table_dev or starts_dev):
-        return append_counts, block_table, start_positions
+        return append_counts, block_table, start_positions, None
     paused = int(context.paused_request_count)
     if counts_dev and append_counts.dim() != 1:
-        return append_counts, block_table, start_positions  # refused by the pass
+        return append_counts, block_table, start_positions, None  # refused by the pass
     requests = append_counts.shape[0] if counts_dev else len(append_counts)
     parts: List[torch.Tensor] = []
     max_requests = meta.max_requests
@@ -203,8 +210,8 @@ def commit_inputs(context: Any, append_counts: Any, block_table: Any,
         elif table_rows is None:
             table_dev = False
     if not parts:
-        return append_counts, table_rows if table_rows is not None else block_table, \
-            start_positions
+        return (append_counts, block_table, start_positions, None) if table_rows is None \
+            else (append_counts, table_rows, start_positions, block_table)
     values = None
     if size <= 2 * max_requests:  # upstream's placement: into the fixed buffers
         packed, out, values = _read_back(meta, parts[0], runtime).prefix(size)
@@ -224,8 +231,9 @@ def commit_inputs(context: Any, append_counts: Any, block_table: Any,
         append_counts, at = values[:requests], requests
     if starts_dev:
         start_positions, at = values[at:at + requests], at + requests
+    device_rows = None
     if table_rows is not None:
-        block_table = table_rows
+        block_table, device_rows = table_rows, block_table
     elif table_dev:
         block_table = host[at:].view(requests, block_table.shape[1]).to(block_table.dtype)
-    return append_counts, block_table, start_positions
+    return append_counts, block_table, start_positions, device_rows

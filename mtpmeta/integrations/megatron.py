@@ -35,16 +35,18 @@ whole step free of syncs. On the engine's own placement (device counts and start
 positions, ``block_table_prefill`` a device copy of rows of the context's host table)
 the commit pass reads the counts and start positions back in one packed read, ``16 *
 A`` bytes and upstream's one sync, and takes the table rows from the context's host
-table instead of reading the device copy (``engine_inputs``, which says what that
-assumes and what is validated).
+table instead of reading the device copy, which places the view's table rows on the
+device (``engine_inputs``, which says what that assumes and what is validated).
 
 Documented differences the replacements inherit from the library (README,
 "Differences from upstream"): inputs are validated before anything is written, and a
 full commit batch (``P == max_requests``) with pad tokens points the absorbing request's
 block columns past its span at the dummy block instead of copying the caller's row.
-By default (``patch(block_counts=False)`` turns it off) the commit pass also takes the
-context's ``request_kv_block_counts``, and its ``mha_block_table`` rows hold the dummy
-block where upstream copies ``-1`` past a row's count.
+By default (``patch(block_counts=False)`` turns it off) a commit pass given a host
+table also takes the context's ``request_kv_block_counts``, and its ``mha_block_table``
+rows hold the dummy block where upstream copies ``-1`` past a row's count; on the
+engine's own placement (a device copy of the rows) the device rows are placed as they
+are, upstream's bytes with either setting.
 """
 
 from __future__ import annotations
@@ -116,7 +118,8 @@ def _in_active_order(context: Any, array: Any, count: Any) -> Any:
 def _commit_block_counts(context: Any, host_table: bool) -> Any:
     """For the commit pass with block counts: the context's host
     ``request_kv_block_counts`` (whole, ``[R]``: the declared split takes the active
-    rows) when the table is on the host (the device route takes no counts); else None.
+    rows) when the table is on the host; else None (the caller passes none beside a
+    device copy of the rows either: the table's bytes then never reach the host).
 
     Safe by upstream's engine: the commit pass runs after the speculative rewind and
     writes committed positions only (a decode request's accepted drafts, below
@@ -251,7 +254,7 @@ def _setup_prefill_step_with(block_counts: bool) -> Callable[..., None]:
         """
         meta = _library_metadata(self, "_mtp_setup_prefill_step", enabled=True)
         _declare_rows(self, meta)
-        append_counts, block_table_prefill, starts = commit_inputs(
+        append_counts, block_table_prefill, starts, device_rows = commit_inputs(
             self, append_counts, block_table_prefill,
             _in_active_order(self, request_start_positions, append_counts), meta)
         check_total(total, append_counts)
@@ -262,7 +265,9 @@ def _setup_prefill_step_with(block_counts: bool) -> Callable[..., None]:
             inherited_blocks=_prefix_blocks(self, meta),
             padded_token_count=padded_token_count,
             padded_request_count=padded_request_count,
-            block_counts=_commit_block_counts(self, host) if block_counts else None)
+            block_counts=_commit_block_counts(self, host)
+            if block_counts and device_rows is None else None,
+            device_block_table=device_rows)
         max_seqlen = int(shape.max_seqlen_q)
         if shape.request_count and not shape.padded_token_count:
             # upstream's read-back of all-zero lengths (ForwardShape floors at 1)
@@ -341,11 +346,14 @@ def patch(block_counts: bool = True) -> None:
     nothing more (it only sets ``block_counts``). Raises ``ImportError`` naming what is
     missing, patching nothing.
 
-    ``block_counts`` (default True): the commit pass also takes the context's host
-    ``request_kv_block_counts`` (its active rows), so the host reads and ships only the
-    blocks in use (contract §5). The one difference in the view is the dummy block
-    ``D`` in place of ``-1`` in ``mha_block_table`` past a row's count.
-    ``block_counts=False`` keeps every byte upstream's. The draft loop takes no counts
+    ``block_counts`` (default True): a commit pass given a host ``block_table_prefill``
+    also takes the context's host ``request_kv_block_counts`` (its active rows), so the
+    host reads and ships only the blocks in use (contract §5). The one difference in
+    the view is then the dummy block ``D`` in place of ``-1`` in ``mha_block_table``
+    past a row's count. ``block_counts=False`` keeps every byte upstream's. On the
+    engine's own placement (a device copy of the rows, ``engine_inputs``) the table's
+    bytes never reach the host and the device rows are placed as they are, so both
+    settings write upstream's bytes. The draft loop takes no counts
     (``_commit_block_counts`` says why).
     """
     installed = helpers(block_counts)

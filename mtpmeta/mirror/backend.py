@@ -299,27 +299,33 @@ class MirrorBackend:
                     starts: Optional[np.ndarray], table: np.ndarray,
                     inherited: Optional[np.ndarray], padded_tokens: int, pad_tokens: int,
                     min_padded_requests: int, padded_requests: int,
-                    block_counts: Optional[np.ndarray] = None
+                    block_counts: Optional[np.ndarray] = None,
+                    device_table: Optional[Tensor] = None
                     ) -> Tuple[int, int, int, int]:
         """The commit pass; ``(total, staged, padded_requests, max_len)`` as the kernel
-        (a negative total: refused, nothing written). Its leading rows that equal the
-        draft loop's come from the begin's reuse table (``BeginStaging.reusable_rows``);
-        with ``block_counts`` or on a wide table, the counted route."""
+        (a negative total: refused, nothing written). Its leading rows come from the
+        caller's ``device_table`` (``BeginStaging.land_rows``) when given, else those
+        that equal the draft loop's from the begin's reuse table
+        (``BeginStaging.reusable_rows``); with ``block_counts`` or on a wide table, the
+        counted route."""
         self.refuse_capture("setup_commit_pass")
-        if block_counts is not None:  # no reused rows; only the used columns ship
-            return self.counted.commit(target, counts, starts, table, inherited,
-                                       block_counts, padded_tokens, pad_tokens,
-                                       min_padded_requests, padded_requests)
         width = self._width
-        if derives(counts.shape[0] * width, width):
-            result = self.counted.commit_derived(target, counts, starts, table, inherited,
-                                                 padded_tokens, pad_tokens,
-                                                 min_padded_requests, padded_requests)
-            if result is not None:
-                return result
-        device_rows = self.begin.reusable_rows(table, counts.shape[0], pad_tokens,
-                                               self.host_block_table) \
-            if target.width == width else 0
+        if device_table is not None and target.width == width:
+            device_rows = self.begin.land_rows(device_table, counts.shape[0], pad_tokens)
+        else:
+            if block_counts is not None:  # no reused rows; only the used columns ship
+                return self.counted.commit(target, counts, starts, table, inherited,
+                                           block_counts, padded_tokens, pad_tokens,
+                                           min_padded_requests, padded_requests)
+            if derives(counts.shape[0] * width, width):
+                result = self.counted.commit_derived(
+                    target, counts, starts, table, inherited, padded_tokens, pad_tokens,
+                    min_padded_requests, padded_requests)
+                if result is not None:
+                    return result
+            device_rows = self.begin.reusable_rows(table, counts.shape[0], pad_tokens,
+                                                   self.host_block_table) \
+                if target.width == width else 0
         forward = self.forward
         stage = forward.commit_stage(target)
         if stage is None or padded_tokens > stage.cap or padded_requests > stage.requests:

@@ -156,6 +156,24 @@ class BeginStaging:
         rows.fill_(self.dummy)
         self.device_rows = count
 
+    def land_rows(self, table: Tensor, num_prefill: int, pad_tokens: int) -> int:
+        """How many leading rows of a commit pass to place from ``reuse_table``, after
+        copying them there from the caller's device copy ``table`` [>= P, W] of its
+        host rows (one device op; by the caller's contract the rows are equal). The
+        row that absorbs a full batch's pad is cut back by the kernel and never taken.
+        The landing then holds no begin's rows (``device_rows`` 0)."""
+        rows = num_prefill - 1 if pad_tokens > 0 and num_prefill == self.max_requests \
+            else num_prefill
+        self.device_rows = 0
+        if rows > 0:
+            key = ("commit_rows", rows)
+            dst = self.views.get(key)
+            if dst is None:
+                dst = self.reuse_table[:rows]
+                self.views.put(key, dst)
+            dst.copy_(table if table.shape[0] == rows else table[:rows], non_blocking=True)
+        return max(rows, 0)
+
     def reusable_rows(self, table: np.ndarray, num_prefill: int, pad_tokens: int,
                       host_table: np.ndarray) -> int:
         """How many leading rows of a commit pass's ``table`` [>= P, W] to place from

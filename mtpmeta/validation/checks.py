@@ -45,7 +45,7 @@ from mtpmeta.validation.inputs import (INT32_LIMIT, as_count, as_host_counts, as
 __all__ = ["check_view_device", "check_decode_counts", "check_begin_decode",
            "check_draft_blocks", "raise_draft_block", "check_decode_view",
            "raise_position_error", "check_prefill_lengths", "check_commit_inputs",
-           "raise_commit_block", "refuse_unallocated_inherited"]
+           "check_device_rows", "raise_commit_block", "refuse_unallocated_inherited"]
 
 _ndarray = np.ndarray
 _HOST_OR_NONE = (np.ndarray, type(None))  # no read-back to consider: the host route
@@ -298,6 +298,31 @@ def check_commit_inputs(geo: Geometry, target: ViewTarget, append_counts: Any,
         _check_view_capacity(target, requests=padded_requests)
     return (counts, starts, table, inherited, total, padded_tokens, pad, min_padded,
             padded_requests, used)
+
+
+_ROW_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+def check_device_rows(geo: Geometry, device_table: Any, table: np.ndarray,
+                      num_prefill: int) -> Optional[torch.Tensor]:
+    """``setup_commit_pass``'s ``device_block_table``: an integer tensor ``[>= P, W]``
+    (``W``: the host ``table``'s width) on the persistent buffers' device; anything
+    else is a ``ValueError`` naming it. Returns it on the mirror path, None on the
+    direct path (whose buffers are on the host: the host rows are written)."""
+    if not (isinstance(device_table, torch.Tensor) and device_table.dim() == 2
+            and device_table.dtype in _ROW_DTYPES):
+        raise ValueError(f"device_block_table: expected a 2-D integer tensor, got "
+                         f"{getattr(device_table, 'shape', type(device_table).__name__)} "
+                         f"of {getattr(device_table, 'dtype', None)}")
+    if device_table.device != geo.device:
+        raise ValueError(f"device_block_table: on {device_table.device}, not the "
+                         f"persistent buffers' device {geo.device}")
+    rows, width = device_table.shape
+    if rows < num_prefill or width != table.shape[1]:
+        raise ValueError(f"device_block_table: shape {tuple(device_table.shape)}, expected "
+                         f"[>= {num_prefill}, {table.shape[1]}] (append_counts, "
+                         f"block_table width)")
+    return device_table if geo.mirror else None
 
 
 def raise_commit_block(geo: Geometry, target: ViewTarget, code: int, r: int,
