@@ -186,3 +186,17 @@ def test_mixed_calls_with_and_without_device_rows_keep_the_reference_bytes():
             obj.end_forward()
         assert_views_equal(view, ref_view)
         assert_buffers_equal(meta, ref)
+
+
+def test_a_landing_narrower_than_the_view_ships_the_host_rows():
+    """``block_table_dtype`` int16 under an int32 view: an id past 32767 would wrap in
+    the int16 landing the device rows pass through, so the host rows are shipped (the
+    device copy, unlike them on purpose here, is not read)."""
+    meta = MTPMetadata(**config(block_table_dtype=torch.int16))
+    meta.allocate("cpu", mirror=True)
+    view, _ = make_views(meta)
+    assert view.mha_block_table.dtype == torch.int32
+    host = HOST[:3] + 40000
+    meta.setup_commit_pass(view, COUNTS, host, start_positions=STARTS,
+                           device_block_table=torch.as_tensor(host + 100))
+    assert torch.equal(view.mha_block_table[:3], torch.as_tensor(host))

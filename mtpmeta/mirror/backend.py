@@ -307,11 +307,14 @@ class MirrorBackend:
         caller's ``device_table`` (``BeginStaging.land_rows``) when given, else those
         that equal the draft loop's from the begin's reuse table
         (``BeginStaging.reusable_rows``); with ``block_counts`` or on a wide table, the
-        counted route."""
+        counted route. The caller's rows are taken only where the landing's dtype holds
+        every id the view's does (the host rows were checked against the view's)."""
         self.refuse_capture("setup_commit_pass")
-        width = self._width
-        if device_table is not None and target.width == width:
-            device_rows = self.begin.land_rows(device_table, counts.shape[0], pad_tokens)
+        width, begin = self._width, self.begin
+        low, high = target.table_block_range  # checked ids of the view: the landing's?
+        if device_table is not None and target.width == width and \
+                begin.table_range[0] <= low and high <= begin.table_range[1]:
+            device_rows = begin.land_rows(device_table, counts.shape[0], pad_tokens)
         else:
             if block_counts is not None:  # no reused rows; only the used columns ship
                 return self.counted.commit(target, counts, starts, table, inherited,

@@ -31,7 +31,7 @@ from torch import Tensor
 from mtpmeta.buffers import persistent
 from mtpmeta.buffers.bounded_cache import BoundedCache
 from mtpmeta.buffers.device_runtime import DeviceRuntime
-from mtpmeta.buffers.layout import PackedLayout
+from mtpmeta.buffers.layout import PackedLayout, dtype_range
 from mtpmeta.buffers.persistent import PersistentBuffers
 from mtpmeta.kernels import native
 from mtpmeta.mirror.copy_plan import word_view
@@ -79,6 +79,7 @@ class BeginStaging:
         self.reuse_table.fill_(dummy)
         self.dummy = dummy
         self.device_rows = 0
+        self.table_range = dtype_range(self.reuse_table.dtype)  # the ids it holds
         self.table_at = layout.offsets[1]  # bytes before a slot's table rows
         self._row_bytes = width * self.reuse_table.element_size()
         self._table_words = word_view(buffers.block_table)
@@ -159,8 +160,9 @@ class BeginStaging:
     def land_rows(self, table: Tensor, num_prefill: int, pad_tokens: int) -> int:
         """How many leading rows of a commit pass to place from ``reuse_table``, after
         copying them there from the caller's device copy ``table`` [>= P, W] of its
-        host rows (one device op; by the caller's contract the rows are equal). The
-        row that absorbs a full batch's pad is cut back by the kernel and never taken.
+        host rows (one device op; by the caller's contract the rows are equal, and
+        the caller made sure ``table_range`` holds every id the view does). The row
+        that absorbs a full batch's pad is cut back by the kernel and never taken.
         The landing then holds no begin's rows (``device_rows`` 0)."""
         rows = num_prefill - 1 if pad_tokens > 0 and num_prefill == self.max_requests \
             else num_prefill
