@@ -15,6 +15,8 @@ on purpose shows which bytes each side placed.
 
 from __future__ import annotations
 
+import os
+
 import hypothesis.strategies as st
 import numpy as np
 import pytest
@@ -24,8 +26,11 @@ from hypothesis import given
 from mtpmeta import MTPMetadata
 from tests.helpers import (assert_buffers_equal, assert_results_equal, assert_views_equal,
                            config, make_reference, make_views)
+from tests.test_cuda_sim import make_sim  # noqa: F401 (the fixture)
+from tests.test_cuda_sim import new_pair as sim_pair
 from tests.test_differential import annotate, geometries, new_pair
 from tests.test_differential_steps import commit_inputs, quick
+from tests.test_sim_hazards import upload
 
 R, W, BS, D = 8, 6, 4, 999  # tests.helpers.config
 
@@ -200,3 +205,29 @@ def test_a_landing_narrower_than_the_view_ships_the_host_rows():
     meta.setup_commit_pass(view, COUNTS, host, start_positions=STARTS,
                            device_block_table=torch.as_tensor(host + 100))
     assert torch.equal(view.mha_block_table[:3], torch.as_tensor(host))
+
+
+@pytest.mark.cuda_sim
+@pytest.mark.skipif(os.environ.get("MTPMETA_DEBUG") == "1",
+                    reason="MTPMETA_DEBUG's checks synchronize the simulated device")
+def test_a_device_copy_made_on_another_stream_may_be_freed_at_once(make_sim):
+    """Under the CUDA simulator: the producer makes the device copy on its own stream
+    and frees it right after the call (the caching allocator may hand its memory to
+    the producer's next allocation); the queued copy must be covered by
+    ``record_stream`` and the rows must still arrive."""
+    sim = make_sim(7, idle=1.0)
+    with sim:
+        meta, _, [(view, _)] = sim_pair(sim)
+        producer = sim.Stream("producer")
+        device = upload(sim, HOST[:3] + 100, stream=producer)
+        sim.synchronize()
+        before = sim.record_streams
+        meta.setup_commit_pass(view, torch.as_tensor(COUNTS), torch.as_tensor(HOST[:3]),
+                               start_positions=torch.as_tensor(STARTS),
+                               device_block_table=device)
+        sim.free(device)
+        assert sim.unsafe_frees == [], sim.unsafe_frees
+        assert sim.record_streams > before
+        rows = view.mha_block_table[:3].clone()
+        sim.synchronize()
+        assert torch.equal(sim.peek(rows), torch.as_tensor(HOST[:3] + 100))

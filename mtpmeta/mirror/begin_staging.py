@@ -64,6 +64,7 @@ class BeginStaging:
     def __init__(self, buffers: PersistentBuffers, runtime: DeviceRuntime, *,
                  max_requests: int, block_size: int, dummy: int, num_slots: int) -> None:
         self.buffers = buffers
+        self.runtime = runtime
         self.max_requests = max_requests
         self.block_size = block_size
         device = buffers.offsets.device
@@ -161,9 +162,11 @@ class BeginStaging:
         """How many leading rows of a commit pass to place from ``reuse_table``, after
         copying them there from the caller's device copy ``table`` [>= P, W] of its
         host rows (one device op; by the caller's contract the rows are equal, and
-        the caller made sure ``table_range`` holds every id the view does). The row
-        that absorbs a full batch's pad is cut back by the kernel and never taken.
-        The landing then holds no begin's rows (``device_rows`` 0)."""
+        the caller made sure ``table_range`` holds every id the view does). ``table``
+        is ``record_stream``-ed on the current stream, so its producer may free it at
+        once from any stream. The row that absorbs a full batch's pad is cut back by
+        the kernel and never taken. The landing then holds no begin's rows
+        (``device_rows`` 0)."""
         rows = num_prefill - 1 if pad_tokens > 0 and num_prefill == self.max_requests \
             else num_prefill
         self.device_rows = 0
@@ -174,6 +177,7 @@ class BeginStaging:
                 dst = self.reuse_table[:rows]
                 self.views.put(key, dst)
             dst.copy_(table if table.shape[0] == rows else table[:rows], non_blocking=True)
+            self.runtime.record_stream(table, self.reuse_table.device)
         return max(rows, 0)
 
     def reusable_rows(self, table: np.ndarray, num_prefill: int, pad_tokens: int,
