@@ -299,6 +299,30 @@ def test_commit_pass_device_block_table_is_the_documented_sync():
         torch.cuda.set_sync_debug_mode("default")
 
 
+def test_commit_pass_with_the_device_copy_of_its_rows_makes_no_sync():
+    """``device_block_table``: the host rows place the blocks, the device copy gives the
+    view's table rows with no sync, the copy may be freed at once, and the view is the
+    reference's."""
+    meta, view, ref, ref_view = _pair()
+    host_table = (torch.arange(R * W, dtype=torch.int32).view(R, W) % D)[:3].pin_memory()
+    counts = torch.tensor([3, 2, 4], dtype=torch.int32)
+    starts = torch.tensor([0, 5, 17], dtype=torch.int32)
+    meta.setup_commit_pass(view, counts, host_table, start_positions=starts,
+                           device_block_table=host_table.to(CUDA))  # warm
+    device_table = host_table.to(CUDA)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        meta.setup_commit_pass(view, counts, host_table, start_positions=starts,
+                               padded_request_count=4, device_block_table=device_table)
+        del device_table
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ref.setup_commit_pass(ref_view, counts, host_table, start_positions=starts,
+                          padded_request_count=4)
+    _assert_views_equal(view, ref_view)
+
+
 def test_commit_pass_takes_the_draft_loop_rows_device_to_device():
     """On CUDA: a commit pass after a draft loop on the same table takes rows ``[:n]``
     from the device (``n * W`` ids fewer host-to-device bytes than the same commit on
