@@ -23,7 +23,7 @@ import pytest
 import torch
 from hypothesis import given
 
-from mtpmeta import MTPMetadata
+from mtpmeta import ContextGPUView, MTPMetadata
 from tests.helpers import (assert_buffers_equal, assert_results_equal, assert_views_equal,
                            config, make_reference, make_views)
 from tests.test_cuda_sim import make_sim  # noqa: F401 (the fixture)
@@ -231,3 +231,34 @@ def test_a_device_copy_made_on_another_stream_may_be_freed_at_once(make_sim):
         rows = view.mha_block_table[:3].clone()
         sim.synchronize()
         assert torch.equal(sim.peek(rows), torch.as_tensor(HOST[:3] + 100))
+
+
+@pytest.mark.cuda_sim
+@pytest.mark.skipif(os.environ.get("MTPMETA_DEBUG") == "1",
+                    reason="MTPMETA_DEBUG's checks read the view back")
+def test_the_table_bytes_never_cross_to_the_device(make_sim):
+    """Under CUDA semantics (simulated): with the device copy, a commit pass ships the
+    same host-to-device bytes at W = 8 and W = 512 (token and length fields only), makes
+    no sync, and its table rows arrive; without it the bytes grow with the width."""
+    shipped = {}
+    for width in (8, 512):
+        for with_rows in (True, False):
+            sim = make_sim(3, idle=1.0)
+            with sim:
+                meta = MTPMetadata(**config(max_kv_block_count=width))
+                meta.allocate("cpu", mirror=True)
+                view = ContextGPUView(R, 64, width)
+                host = np.arange(3 * width, dtype=np.int32).reshape(3, width) % 900
+                device = upload(sim, host)
+                sim.synchronize()
+                before = (sim.h2d_bytes, sim.syncs)
+                meta.setup_commit_pass(view, torch.as_tensor(COUNTS), torch.as_tensor(host),
+                                       start_positions=torch.as_tensor(STARTS),
+                                       device_block_table=device if with_rows else None)
+                shipped[width, with_rows] = sim.h2d_bytes - before[0]
+                assert sim.syncs == before[1]
+                rows = view.mha_block_table[:3].clone()
+                sim.synchronize()
+                assert torch.equal(sim.peek(rows), torch.as_tensor(host))
+    assert shipped[8, True] == shipped[512, True]
+    assert shipped[512, False] - shipped[512, True] >= 3 * 512 * 4

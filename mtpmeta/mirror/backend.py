@@ -49,7 +49,8 @@ tensors that queued work reads get ``record_stream`` on the current stream throu
 runtime, so a producer that allocated them on another stream may free them at once.
 
 Cost in device data ops: 1 per carry, 2 per plain begin, 2 per depth, 1 per advance,
-2 per commit pass: 14 per standard step of 3 depths, advances included.
+2 per commit pass (3 with the caller's device copy of its rows): 14 per standard step
+of 3 depths, advances included.
 """
 
 from __future__ import annotations
