@@ -327,8 +327,8 @@ class MirrorBackend:
                     min_padded_requests, padded_requests)
                 if result is not None:
                     return result
-            device_rows = self.begin.reusable_rows(table, counts.shape[0], pad_tokens,
-                                                   self.host_block_table) \
+            device_rows = begin.reusable_rows(table, counts.shape[0], pad_tokens,
+                                              self.host_block_table) \
                 if target.width == width else 0
         forward = self.forward
         stage = forward.commit_stage(target)

@@ -150,13 +150,13 @@ class BeginStaging:
     def hold_dummy_rows(self, count: int) -> None:
         """``reuse_table[:count]`` takes the dummy block, as a capture begin's host
         truth holds it (one device op); those rows are then reusable."""
-        key = ("reuse_table", count)
-        rows = self.views.get(key)
-        if rows is None:
-            rows = self.reuse_table[0:count]
-            self.views.put(key, rows)
-        rows.fill_(self.dummy)
+        self._reuse_rows(count).fill_(self.dummy)
         self.device_rows = count
+
+    def _reuse_rows(self, count: int) -> Tensor:
+        """``reuse_table[:count]``, built once per ``count``."""
+        return self.views.get_or_build(("reuse_table", count),
+                                       lambda: self.reuse_table[:count])
 
     def land_rows(self, table: Tensor, num_prefill: int, pad_tokens: int) -> int:
         """How many leading rows of a commit pass to place from ``reuse_table``, after
@@ -170,15 +170,11 @@ class BeginStaging:
         rows = num_prefill - 1 if pad_tokens > 0 and num_prefill == self.max_requests \
             else num_prefill
         self.device_rows = 0
-        if rows > 0:
-            key = ("commit_rows", rows)
-            dst = self.views.get(key)
-            if dst is None:
-                dst = self.reuse_table[:rows]
-                self.views.put(key, dst)
-            dst.copy_(table if table.shape[0] == rows else table[:rows], non_blocking=True)
+        if rows:
+            self._reuse_rows(rows).copy_(table if table.shape[0] == rows else table[:rows],
+                                         non_blocking=True)
             self.runtime.record_stream(table, self.reuse_table.device)
-        return max(rows, 0)
+        return rows
 
     def reusable_rows(self, table: np.ndarray, num_prefill: int, pad_tokens: int,
                       host_table: np.ndarray) -> int:
