@@ -24,8 +24,9 @@ import torch
 from hypothesis import given
 
 from mtpmeta import ContextGPUView, MTPMetadata
-from tests.helpers import (assert_buffers_equal, assert_results_equal, assert_views_equal,
-                           config, make_reference, make_views)
+from tests.helpers import (assert_buffers_equal, assert_results_equal, assert_same_state,
+                           assert_views_equal, buffer_state, config, make_reference,
+                           make_views, view_state)
 from tests.test_cuda_sim import make_sim  # noqa: F401 (the fixture)
 from tests.test_cuda_sim import new_pair as sim_pair
 from tests.test_differential import annotate, geometries, new_pair
@@ -156,16 +157,14 @@ def test_block_counts_are_checked_and_the_rows_placed_as_they_are():
     (torch.zeros(3, W, dtype=torch.int32, device="meta"), "on meta, not the persistent"),
 ], ids=["float", "1-D", "numpy", "rows", "width", "device"])
 def test_a_bad_device_table_is_refused_before_anything_is_written(bad, message):
+    """The error names ``device_block_table`` and its bound; no view field, buffer or
+    scalar state changed."""
     meta, view = _meta()
-    before = {name: getattr(view, name).clone() for name in ("mha_block_table",
-                                                             "token_to_block_idx")}
-    mode = meta.forward_mode
+    before = {**buffer_state(meta), **view_state(view)}
     with pytest.raises(ValueError, match="device_block_table: " + message):
         meta.setup_commit_pass(view, COUNTS, HOST[:3], start_positions=STARTS,
                                device_block_table=bad)
-    assert meta.forward_mode is mode
-    for name, value in before.items():
-        assert torch.equal(getattr(view, name), value), name
+    assert_same_state(before, {**buffer_state(meta), **view_state(view)})
 
 
 def test_mixed_calls_with_and_without_device_rows_keep_the_reference_bytes():
